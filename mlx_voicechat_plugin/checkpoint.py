@@ -1,0 +1,55 @@
+"""Finding and recognising VoiceChat checkpoints without loading them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+MODEL_TYPE = "nemotron_voicechat"
+
+
+def model_argument(argv: list[str]) -> str | None:
+    """Return the value of ``--model``/``-m`` in an mlx-vlm style argument list, or None."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model", "-m", default=None)
+    try:
+        known, _ = parser.parse_known_args(argv)
+    except SystemExit:
+        return None
+    return known.model
+
+
+def find_config(model: str | Path) -> Path | None:
+    """Locate ``config.json`` for a local directory or an already-downloaded hub repo.
+
+    Nothing is downloaded: a repository id that is not in the Hugging Face cache gives None.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        candidate = path / "config.json"
+        return candidate if candidate.is_file() else None
+    if path.exists() or str(model).count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - huggingface_hub comes with mlx-vlm
+        return None
+    cached = try_to_load_from_cache(str(model), "config.json")
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def read_model_type(config_path: Path) -> str | None:
+    """The lower-cased ``model_type`` of a ``config.json``, or None when unreadable."""
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("model_type") if isinstance(config, dict) else None
+    return value.lower() if isinstance(value, str) else None
+
+
+def is_voicechat_checkpoint(model: str | Path) -> bool:
+    """True when ``model`` names a local or cached checkpoint with ``model_type: nemotron_voicechat``."""
+    config = find_config(model)
+    return config is not None and read_model_type(config) == MODEL_TYPE

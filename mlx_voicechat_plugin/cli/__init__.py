@@ -1,0 +1,1 @@
+"""Command-line interfaces: ``mlx-voicechat`` and the ``python -m mlx_vlm.generate`` route."""

@@ -1,0 +1,32 @@
+"""``mlx-voicechat``: the plugin's console script.
+
+Subcommands: ``generate`` (offline turn, see :mod:`.generate`), ``demo`` (build demo
+checkpoints), ``serve`` (the realtime server, needs the ``server`` extra).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: mlx-voicechat {generate,demo} ...  (mlx-voicechat <command> --help)"
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "generate":
+        from .generate import main as generate_main
+
+        return generate_main(rest)
+    if command == "demo":
+        from ..demo.__main__ import main as demo_main
+
+        return demo_main(rest)
+    print(f"error: unknown command {command!r}\n{usage}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""Demo checkpoints: small random-weight NemotronLabs VoiceChat checkpoints in the real layout.
+
+``python -m mlx_voicechat_plugin.demo build OUT --preset tiny|small|medium [--bits 4|8]
+[--seed N]`` builds one; :func:`default_checkpoint` builds (once, cached) the tiny preset
+that commands use when no ``--model`` is given.
+"""
+
+from .builder import build_checkpoint
+from .cache import default_checkpoint
+from .presets import PRESETS
+
+__all__ = ["PRESETS", "build_checkpoint", "default_checkpoint"]

@@ -1,0 +1,121 @@
+"""Build a demo checkpoint directory with the published on-disk layout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from .presets import PRESETS, config_for
+
+#: Shard size limit for ``model-0000N-of-0000M.safetensors`` (bytes); small enough that
+#: the ``medium`` preset is split like the published multi-shard checkpoints.
+SHARD_BYTES = 64 * 1024 * 1024
+
+
+def build_checkpoint(
+    output_dir: str | Path,
+    preset: str = "tiny",
+    *,
+    bits: int | None = None,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Path:
+    """Build a random-weight NemotronLabs VoiceChat checkpoint.
+
+    The directory holds ``config.json`` (full schema), ``model.safetensors.index.json``
+    with ``model-*.safetensors`` shards in the stored key layout, a byte-level BPE
+    ``tokenizer.json`` (+ ``tokenizer_config.json``, ``special_tokens_map.json``) and
+    ``rnnt_tokenizer/tokenizer.model``.
+
+    Args:
+        output_dir: where to write; created. Written atomically (temp dir + rename).
+        preset: ``tiny``, ``small`` or ``medium`` (see :mod:`.presets`).
+        bits: ``4`` or ``8`` quantizes the LLM parts (group size 64), ``None`` keeps bf16.
+        seed: MLX RNG seed for the weights (tokenizers are deterministic).
+        overwrite: replace an existing directory.
+
+    Returns:
+        The checkpoint path.
+
+    Raises:
+        ValueError: unknown preset or bits.
+        FileExistsError: ``output_dir`` exists and ``overwrite`` is false.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models.nemotron_voicechat import Model, ModelConfig
+
+    from . import tokenizers, weights
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    if bits not in (None, 4, 8):
+        raise ValueError(f"bits must be 4 or 8 (or omitted for bf16), got {bits!r}")
+    output = Path(output_dir)
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"{output} already exists (pass overwrite=True)")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        spec = PRESETS[preset]
+        text_vocab = tokenizers.build_text_tokenizer(staging, spec.text_vocab_size)
+        rnnt_vocabulary = tokenizers.build_rnnt_vocabulary(staging, spec.rnnt_vocab_size)
+        config = config_for(spec, text_vocab, rnnt_vocabulary)
+
+        from tokenizers import Tokenizer
+
+        vocabulary = Tokenizer.from_file(str(staging / "tokenizer.json")).get_vocab()
+        mx.random.seed(seed)
+        model = Model(ModelConfig.from_dict(config))
+        weights.randomize(model, vocabulary, config)
+        weights.cast_for_storage(model)
+        if bits is not None:
+            weights.quantize_llm(model, bits)
+            quantization = {"group_size": 64, "bits": bits, "mode": "affine"}
+            config["quantization"] = quantization
+            config["quantization_config"] = dict(quantization)
+        stored = weights.to_checkpoint_layout(dict(tree_flatten(model.parameters())), config)
+        _write_shards(staging, stored)
+        (staging / "config.json").write_text(
+            json.dumps(config, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+        )
+        (staging / "README.md").write_text(
+            f"# Demo NemotronLabs VoiceChat checkpoint ({preset}, "
+            f"{'bf16' if bits is None else f'{bits}-bit LLM'}, seed {seed})\n\n"
+            "Random weights in the published layout, built by `python -m "
+            "mlx_voicechat_plugin.demo build`. For tests and demos only: it does not "
+            "understand speech.\n"
+        )
+        if output.exists():
+            shutil.rmtree(output)
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output
+
+
+def _write_shards(folder: Path, stored: dict) -> None:
+    import mlx.core as mx
+
+    shards: list[dict] = [{}]
+    size = 0
+    for key in sorted(stored):
+        value = stored[key]
+        if size and size + value.nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][key] = value
+        size += value.nbytes
+    weight_map = {}
+    total = 0
+    for index, shard in enumerate(shards, start=1):
+        name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(folder / name), shard, metadata={"format": "mlx"})
+        for key, value in shard.items():
+            weight_map[key] = name
+            total += value.nbytes
+    index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2) + "\n")

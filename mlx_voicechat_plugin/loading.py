@@ -1,0 +1,70 @@
+"""Loading a VoiceChat checkpoint (the same path ``mlx_vlm.load`` takes)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .checkpoint import MODEL_TYPE, find_config, read_model_type
+
+
+class CheckpointError(ValueError):
+    """The path does not hold a usable VoiceChat checkpoint (message says why)."""
+
+
+def resolve_checkpoint(model: str | Path) -> Path:
+    """Return the local directory of ``model`` (a path or an already-downloaded hub id).
+
+    Raises:
+        CheckpointError: nothing usable is there, or it is another model type.
+    """
+    config = find_config(model)
+    if config is None:
+        path = Path(model).expanduser()
+        if path.exists():
+            raise CheckpointError(f"{model}: no config.json in this directory")
+        raise CheckpointError(
+            f"{model}: no such checkpoint directory (and not in the Hugging Face cache; "
+            "download it first, e.g. `huggingface-cli download "
+            "mlx-community/NemotronLabs-VoiceChat-11B-4bit`)"
+        )
+    model_type = read_model_type(config)
+    if model_type != MODEL_TYPE:
+        raise CheckpointError(
+            f"{model}: model_type is {model_type!r}, not {MODEL_TYPE!r}"
+        )
+    return config.parent
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's text tokenizer (``transformers.AutoTokenizer``)."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load(model: str | Path, *, lazy: bool = False):
+    """Load a VoiceChat checkpoint: ``(Model, tokenizer)``.
+
+    This runs mlx-vlm's own ``load_model`` (weights, sanitize, quantization) with the
+    ``mlx_vlm.models`` entry point resolved to this package, so it returns exactly what
+    ``mlx_vlm.load`` returns with the plugin installed.
+
+    Raises:
+        CheckpointError: not a VoiceChat checkpoint directory.
+        VoiceChatConfigError: the config is unsupported (see ``model.validation``).
+    """
+    from .registration.shim import install
+
+    install(force=True)
+    path = resolve_checkpoint(model)
+    from mlx_vlm.utils import load_model
+
+    logging.getLogger("mlx_vlm").setLevel(logging.ERROR)
+    loaded = load_model(path, lazy=lazy)
+    tokenizer = load_tokenizer(path)
+    loaded._tokenizer = tokenizer
+    return loaded, tokenizer

@@ -1,0 +1,77 @@
+"""``Model``: the upstream ``nemotron_voicechat`` model plus what the spec asks of a loader.
+
+Differences from upstream ``mlx_vlm.models.nemotron_voicechat.Model`` (and why):
+
+* the config is validated at construction (:func:`.validation.validate_config`), so an
+  unsupported speaker, sample rate or inconsistent sub-config fails at load with one clear
+  message instead of a shape error mid-turn;
+* ``load_weights`` pins f32-only weights to f32 (:mod:`.pinning`), exact and faster on every
+  frame; the memory cost is kept in :attr:`Model.pinning`;
+* ``create_session`` returns :class:`~mlx_voicechat_plugin.runtime.offline.OfflineSession`
+  (cached O(T) loop by default, input validation, progress), and the tokenizer is loaded
+  from the checkpoint when the caller has none.
+
+The module tree, parameter names and ``sanitize`` are upstream's, so checkpoints load
+without renaming.
+"""
+
+from __future__ import annotations
+
+from mlx_vlm.models.nemotron_voicechat.model import Model as UpstreamModel
+
+from .pinning import PinningReport, pin_f32_weights, pinning_enabled
+from .validation import validate_config
+
+
+class Model(UpstreamModel):
+    """NemotronLabs VoiceChat (``model_type: nemotron_voicechat``).
+
+    Args:
+        config: upstream ``ModelConfig``.
+
+    Raises:
+        VoiceChatConfigError: the config fails :func:`.validation.validate_config`.
+    """
+
+    def __init__(self, config):
+        validate_config(config)
+        super().__init__(config)
+        self.pinning: PinningReport | None = None
+        self._tokenizer = None
+
+    def load_weights(self, file_or_weights, strict: bool = True):
+        """Load weights (upstream behaviour), then pin f32-only weights unless disabled.
+
+        Pinning is skipped when ``MLX_VOICECHAT_PIN_F32=0``.
+        """
+        result = super().load_weights(file_or_weights, strict=strict)
+        if pinning_enabled():
+            self.pinning = pin_f32_weights(self)
+        return result
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's text tokenizer (loaded from ``model_path`` on first use)."""
+        if self._tokenizer is None:
+            path = getattr(self, "model_path", None)
+            if path is None:
+                raise RuntimeError(
+                    "this model was not loaded from a checkpoint directory; pass a "
+                    "tokenizer to create_session()"
+                )
+            from ..loading import load_tokenizer
+
+            self._tokenizer = load_tokenizer(path)
+        return self._tokenizer
+
+    def create_session(self, processor=None):
+        """Return an :class:`~mlx_voicechat_plugin.runtime.offline.OfflineSession`.
+
+        Args:
+            processor: the processor or tokenizer returned by ``mlx_vlm.load``; when omitted,
+                the checkpoint's tokenizer is loaded.
+        """
+        from ..runtime.offline import OfflineSession
+
+        tokenizer = self.tokenizer if processor is None else getattr(processor, "tokenizer", processor)
+        return OfflineSession(self, tokenizer)

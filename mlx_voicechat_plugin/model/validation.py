@@ -1,0 +1,97 @@
+"""Load-time checks of a VoiceChat ``ModelConfig`` (spec "Limits", "Architecture")."""
+
+from __future__ import annotations
+
+from .errors import VoiceChatConfigError
+
+SUPPORTED_SPEAKER = "Aria"
+INPUT_SAMPLE_RATE = 16_000
+
+
+def validate_config(config) -> None:
+    """Reject configurations the runtime cannot serve faithfully.
+
+    Args:
+        config: an upstream ``nemotron_voicechat`` ``ModelConfig``.
+
+    Raises:
+        VoiceChatConfigError: a speaker other than Aria; an input sample rate other than
+            16 kHz (or a mel preprocessor at another rate); EAR-TTS and codec disagreeing on
+            quantizer count, codebook size or latent width; a codec frame that is not one
+            ``frame_duration`` of output audio; a character encoder narrower than EAR-TTS;
+            an RNNT vocabulary that does not match the joint network.
+    """
+    problems: list[str] = []
+    if config.speaker != SUPPORTED_SPEAKER:
+        problems.append(
+            f"speaker is {config.speaker!r}; only the built-in {SUPPORTED_SPEAKER!r} voice "
+            "is supported"
+        )
+    if config.input_sample_rate != INPUT_SAMPLE_RATE:
+        problems.append(
+            f"input_sample_rate is {config.input_sample_rate}; the model consumes "
+            f"{INPUT_SAMPLE_RATE} Hz audio"
+        )
+    pre = config.audio_config.preprocessor
+    if pre.sample_rate != config.input_sample_rate:
+        problems.append(
+            f"audio_config.preprocessor.sample_rate ({pre.sample_rate}) differs from "
+            f"input_sample_rate ({config.input_sample_rate})"
+        )
+    tts, codec = config.tts_config, config.codec_config
+    for tts_field, codec_field in (
+        ("num_quantizers", "num_quantizers"),
+        ("codebook_size", "codebook_size"),
+        ("latent_size", "latent_dim"),
+    ):
+        tts_value, codec_value = getattr(tts, tts_field), getattr(codec, codec_field)
+        if tts_value != codec_value:
+            problems.append(
+                f"tts_config.{tts_field} ({tts_value}) differs from "
+                f"codec_config.{codec_field} ({codec_value})"
+            )
+    if codec.sample_rate != config.output_sample_rate:
+        problems.append(
+            f"codec_config.sample_rate ({codec.sample_rate}) differs from "
+            f"output_sample_rate ({config.output_sample_rate})"
+        )
+    frame_samples = round(config.output_sample_rate * config.frame_duration)
+    if codec.waveform_to_token_ratio != frame_samples:
+        problems.append(
+            f"one codec frame is {codec.waveform_to_token_ratio} samples but one "
+            f"{config.frame_duration * 1000:g} ms frame at {config.output_sample_rate} Hz "
+            f"is {frame_samples}"
+        )
+    input_frame = config.input_sample_rate * config.frame_duration
+    encoder = config.audio_config.encoder
+    mel_hop = pre.hop_length * encoder.subsampling_factor
+    if round(input_frame) != mel_hop:
+        problems.append(
+            f"the encoder emits one frame per {mel_hop} samples but a "
+            f"{config.frame_duration * 1000:g} ms input frame is {round(input_frame)} samples"
+        )
+    if tts.character_encoder.hidden_size != tts.hidden_size:
+        problems.append(
+            f"tts_config.character_encoder.hidden_size ({tts.character_encoder.hidden_size})"
+            f" differs from tts_config.hidden_size ({tts.hidden_size})"
+        )
+    vocabulary = config.rnnt_vocabulary
+    classes = config.audio_config.joint.num_classes
+    if vocabulary and len(vocabulary) != classes:
+        problems.append(
+            f"rnnt_vocabulary has {len(vocabulary)} pieces but the RNNT joint has "
+            f"{classes} classes"
+        )
+    if config.rnnt_blank_id != classes:
+        problems.append(
+            f"rnnt_blank_id is {config.rnnt_blank_id}; the RNNT blank must be class {classes}"
+        )
+    if config.audio_config.output_dim != config.text_config.hidden_size:
+        problems.append(
+            f"audio_config.output_dim ({config.audio_config.output_dim}) differs from the "
+            f"LLM hidden size ({config.text_config.hidden_size})"
+        )
+    if problems:
+        raise VoiceChatConfigError(
+            "unsupported nemotron_voicechat checkpoint: " + "; ".join(problems)
+        )

@@ -1,0 +1,112 @@
+"""Post-import hooks applied by the shim to mlx-vlm modules.
+
+Each hook is idempotent and only wraps public functions:
+
+* ``mlx_vlm.utils.get_model_and_args`` consults the ``mlx_vlm.models`` entry points first
+  (what ``patches/0001-*.patch`` adds upstream), so ``mlx_vlm.load`` returns our Model.
+* ``mlx_vlm.generate.dispatch.main`` (``python -m mlx_vlm.generate``) hands a VoiceChat
+  checkpoint to :func:`mlx_voicechat_plugin.cli.generate.main`; other models are untouched.
+* ``mlx_vlm.chat.main`` (``python -m mlx_vlm chat``) refuses a VoiceChat checkpoint with a
+  pointer to the offline command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import sys
+
+_MARK = "_mlx_voicechat_plugin_hooked"
+_UPSTREAM_ONLY = contextvars.ContextVar("mlx_voicechat_upstream_only", default=False)
+
+
+@contextlib.contextmanager
+def upstream_models():
+    """Within this block, mlx-vlm resolves model types to its built-in packages only.
+
+    The parity tests use it to load the reference ``nemotron_voicechat`` next to ours.
+    """
+    token = _UPSTREAM_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _UPSTREAM_ONLY.reset(token)
+
+
+def _once(function):
+    @functools.wraps(function)
+    def hook(module):
+        if getattr(module, _MARK + "_" + function.__name__, False):
+            return
+        function(module)
+        setattr(module, _MARK + "_" + function.__name__, True)
+
+    return hook
+
+
+@_once
+def hook_utils(module) -> None:
+    """Wrap ``get_model_and_args`` with entry-point discovery."""
+    original = module.get_model_and_args
+
+    @functools.wraps(original)
+    def get_model_and_args(config: dict, model_path=None):
+        if not _UPSTREAM_ONLY.get() and not (model_path is not None and config.get("model_file")):
+            model_type = module.get_model_type(config)
+            if model_type is not None:
+                from .entry_points import resolve_model_module
+
+                arch = resolve_model_module(model_type)
+                if arch is not None:
+                    return arch, model_type
+        return original(config, model_path)
+
+    module.get_model_and_args = get_model_and_args
+
+
+def _cli_target_is_voicechat(argv: list[str]) -> bool:
+    from ..checkpoint import model_argument, is_voicechat_checkpoint
+
+    model = model_argument(argv)
+    return model is not None and is_voicechat_checkpoint(model)
+
+
+@_once
+def hook_generate(module) -> None:
+    """Route ``python -m mlx_vlm.generate --model <voicechat>`` to our CLI."""
+    original = module.main
+
+    @functools.wraps(original)
+    def main():
+        if _cli_target_is_voicechat(sys.argv[1:]):
+            from ..cli.generate import main as voicechat_main
+
+            raise SystemExit(voicechat_main(sys.argv[1:], prog="python -m mlx_vlm.generate"))
+        return original()
+
+    module.main = main
+
+
+@_once
+def hook_chat(module) -> None:
+    """Refuse ``python -m mlx_vlm chat --model <voicechat>`` with a pointer to the offline command."""
+    original = module.main
+
+    @functools.wraps(original)
+    def main():
+        if _cli_target_is_voicechat(sys.argv[1:]):
+            from ..cli.generate import chat_refusal
+
+            print(chat_refusal(), file=sys.stderr)
+            raise SystemExit(2)
+        return original()
+
+    module.main = main
+
+
+HOOKS = {
+    "mlx_vlm.utils": hook_utils,
+    "mlx_vlm.generate.dispatch": hook_generate,
+    "mlx_vlm.chat": hook_chat,
+}

@@ -1,0 +1,1 @@
+"""Runtime: audio I/O, the offline turn, and (per session) RNG state."""

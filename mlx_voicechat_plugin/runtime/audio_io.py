@@ -1,0 +1,109 @@
+"""Reading user audio and writing answers (soundfile + soxr).
+
+Input: anything libsndfile reads -- WAV (PCM 8/16/24/32-bit, float32/64,
+WAVE_FORMAT_EXTENSIBLE), FLAC, OGG/Vorbis, AIFF -- any channel count and sample rate; it is
+downmixed (channel mean) and resampled (soxr, high quality) to 16 kHz mono float32.
+Output: 22050 Hz mono PCM16 WAV, scaled by 32768 and clamped (spec "CLI"), written
+atomically so a failure never leaves a partial file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+class AudioInputError(ValueError):
+    """The input audio cannot be used; the message names the file and the reason."""
+
+
+def resample(samples: np.ndarray, source_rate: int, target_rate: int) -> np.ndarray:
+    """Resample mono float32 ``samples`` (shape ``(n,)``) from ``source_rate`` to ``target_rate`` Hz."""
+    if source_rate == target_rate:
+        return samples.astype(np.float32, copy=False)
+    import soxr
+
+    return soxr.resample(samples, source_rate, target_rate, quality="HQ").astype(np.float32)
+
+
+def read_audio(path: str | Path, sample_rate: int = 16_000) -> np.ndarray:
+    """Read an audio file as mono float32 samples at ``sample_rate`` Hz.
+
+    Args:
+        path: audio file (see module docstring for formats).
+        sample_rate: target rate in Hz.
+
+    Returns:
+        ``(n,)`` float32 array, nominally in [-1, 1].
+
+    Raises:
+        AudioInputError: missing file, not a readable audio file, no samples, or samples
+            that are NaN or infinite.
+    """
+    import soundfile
+
+    source = Path(path)
+    if not source.exists():
+        raise AudioInputError(f"{source}: no such file")
+    if source.is_dir():
+        raise AudioInputError(f"{source}: is a directory, not an audio file")
+    try:
+        data, rate = soundfile.read(str(source), dtype="float32", always_2d=True)
+    except (soundfile.LibsndfileError, RuntimeError, TypeError) as error:
+        raise AudioInputError(
+            f"{source}: not a readable audio file (WAV, FLAC, OGG, AIFF): {error}"
+        ) from None
+    if data.size == 0:
+        raise AudioInputError(f"{source}: the file contains no audio samples")
+    if not np.isfinite(data).all():
+        raise AudioInputError(f"{source}: the audio contains NaN or infinite samples")
+    mono = data.mean(axis=1) if data.shape[1] > 1 else data[:, 0]
+    return resample(np.ascontiguousarray(mono, dtype=np.float32), rate, sample_rate)
+
+
+def to_pcm16(samples: np.ndarray, scale: float = 32768.0) -> np.ndarray:
+    """Float samples to int16 PCM: ``round(x * scale)`` clamped to [-32768, 32767]."""
+    scaled = np.round(np.asarray(samples, dtype=np.float64) * scale)
+    return np.clip(scaled, -32768, 32767).astype(np.int16)
+
+
+def check_wav_output_path(path: str | Path) -> Path:
+    """Validate an output WAV path before any work is done.
+
+    Raises:
+        AudioInputError: the name does not end in ``.wav``, the parent directory does not
+            exist, or the path is a directory.
+    """
+    target = Path(path)
+    if target.suffix.lower() != ".wav":
+        raise AudioInputError(f"{target}: the output file must be a .wav file")
+    if target.is_dir():
+        raise AudioInputError(f"{target}: is a directory")
+    if not target.parent.exists() and str(target.parent) not in ("", "."):
+        raise AudioInputError(f"{target}: directory {target.parent} does not exist")
+    return target
+
+
+def write_wav_pcm16(path: str | Path, samples: np.ndarray, sample_rate: int) -> Path:
+    """Write mono ``samples`` (float, ``(n,)``) as a PCM16 WAV, atomically.
+
+    Scale 32768 with clamping (the CLI convention of the spec; the WebSocket wire format
+    uses 32767). The file appears only once completely written.
+    """
+    import soundfile
+
+    target = check_wav_output_path(path)
+    pcm = to_pcm16(samples)
+    directory = target.parent if str(target.parent) else Path(".")
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".wav", dir=directory)
+    os.close(handle)
+    try:
+        soundfile.write(temporary, pcm, sample_rate, subtype="PCM_16", format="WAV")
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return target

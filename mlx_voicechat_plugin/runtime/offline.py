@@ -1,0 +1,289 @@
+"""The offline voice turn (spec "Offline timeline").
+
+:class:`OfflineSession` subclasses upstream ``VoiceChatSession`` and keeps its helpers
+(EAR-TTS prompt, control-code replacement, RNNT greedy decode, text decode). What differs:
+
+* the language model keeps persistent Nemotron-H caches by default (an O(T) loop; upstream
+  defaults to recomputing the whole history at every position, O(T^2));
+  ``use_language_cache=False`` keeps the reference recompute as a diagnostic;
+* the input is validated and capped up front (20 min of input, 600 s of extra silence);
+* one host readback per position (text and function ids together);
+* the session's RNG key is its own (:class:`~.rng.SessionRNG`), so seed ``s`` reproduces
+  the reference's ``mx.random.seed(s)`` draws without disturbing other users of MLX's RNG;
+* a ``progress`` callback and the function-channel text in the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Union
+
+import mlx.core as mx
+import numpy as np
+from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram
+from mlx_vlm.models.nemotron_voicechat.session import VoiceChatSession
+
+from .audio_io import AudioInputError, read_audio
+from .rng import SessionRNG
+
+#: Longest accepted input (the encoder builds a dense mask over the whole utterance).
+MAX_INPUT_SECONDS = 20 * 60
+#: Most silence that may be appended after the input.
+MAX_EXTRA_DECODING_SECONDS = 600.0
+
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass
+class OfflineResult:
+    """One offline turn.
+
+    Attributes:
+        text: assistant text (pad, silence, BOS and EOS ids skipped).
+        function_text: function-channel text (same rule; empty when none).
+        user_transcript: RNNT transcript of the input (None without an RNNT vocabulary).
+        audio: ``(frames * 1764,)`` float32 assistant speech at ``sample_rate`` Hz.
+        sample_rate: 22050.
+        text_tokens: one text id per audio frame (prompt prefix dropped).
+        function_tokens: one function id per audio frame.
+        audio_codes: ``(frames, 31)`` int32 codec codes, control codes replaced by silence.
+        frames: number of 80 ms audio frames on the timeline.
+        prompt_frames: positions taken by the system prompt prefix.
+    """
+
+    text: str
+    function_text: str
+    user_transcript: str | None
+    audio: np.ndarray
+    sample_rate: int
+    text_tokens: list[int]
+    function_tokens: list[int]
+    audio_codes: np.ndarray
+    frames: int
+    prompt_frames: int
+
+
+def prepare_waveform(
+    audio: Union[str, Path, np.ndarray, mx.array],
+    *,
+    sample_rate: int,
+    frame_samples: int,
+    extra_decoding_seconds: float,
+) -> np.ndarray:
+    """Load/validate the input and append the extra decoding silence.
+
+    Args:
+        audio: a file path, or 16 kHz mono float samples ``(n,)`` (``(1, n)``/``(n, 1)`` ok).
+        sample_rate: the model's input rate (16000).
+        frame_samples: samples per 80 ms frame (1280).
+        extra_decoding_seconds: silence to append, in ``[0, 600]``.
+
+    Returns:
+        ``(n + extra,)`` float32 samples.
+
+    Raises:
+        AudioInputError: unreadable, empty, non-finite, not mono, longer than 20 minutes,
+            or shorter than one frame once the extra silence is added.
+        ValueError: ``extra_decoding_seconds`` negative, non-finite or above 600.
+    """
+    extra = float(extra_decoding_seconds)
+    if not np.isfinite(extra) or extra < 0:
+        raise ValueError(
+            f"extra_decoding_seconds must be a non-negative number, got {extra_decoding_seconds!r}"
+        )
+    if extra > MAX_EXTRA_DECODING_SECONDS:
+        raise ValueError(
+            f"extra_decoding_seconds is capped at {MAX_EXTRA_DECODING_SECONDS:g} s, got {extra:g}"
+        )
+    if isinstance(audio, (str, Path)):
+        samples = read_audio(audio, sample_rate)
+    else:
+        samples = np.asarray(audio, dtype=np.float32)
+        if samples.ndim == 2 and 1 in samples.shape:
+            samples = samples.reshape(-1)
+        if samples.ndim != 1:
+            raise AudioInputError(f"audio must be mono samples (n,), got shape {samples.shape}")
+        if samples.size == 0:
+            raise AudioInputError("the audio contains no samples")
+        if not np.isfinite(samples).all():
+            raise AudioInputError("the audio contains NaN or infinite samples")
+    seconds = samples.shape[0] / sample_rate
+    if seconds > MAX_INPUT_SECONDS:
+        raise AudioInputError(
+            f"the input is {seconds / 60:.1f} minutes long; offline turns are capped at "
+            f"{MAX_INPUT_SECONDS // 60} minutes"
+        )
+    padding = round(extra * sample_rate)
+    if samples.shape[0] + padding < frame_samples:
+        raise AudioInputError(
+            f"the input is {samples.shape[0]} samples, shorter than one 80 ms frame "
+            f"({frame_samples} samples at {sample_rate} Hz); add --extra-decoding-seconds"
+        )
+    if padding:
+        samples = np.concatenate([samples, np.zeros(padding, dtype=np.float32)])
+    return samples
+
+
+class OfflineSession(VoiceChatSession):
+    """Offline turns on one loaded model (upstream ``VoiceChatSession`` subclass).
+
+    Args:
+        model: the loaded :class:`~mlx_voicechat_plugin.model.Model`.
+        tokenizer: its text tokenizer.
+    """
+
+    def _special_ids(self) -> set[int]:
+        config = self.model.config
+        return {
+            config.pad_token_id,
+            config.silence_token_id,
+            config.bos_token_id,
+            config.eos_token_id,
+        }
+
+    def prompt_ids(self, system_prompt: str | None) -> list[int]:
+        """``[BOS] + tokens + [EOS]`` for a non-blank prompt, else ``[]`` (spec step 3)."""
+        config = self.model.config
+        text = config.default_system_prompt if system_prompt is None else system_prompt
+        if not isinstance(text, str):
+            raise TypeError(f"system_prompt must be a string, got {type(text).__name__}")
+        if not text.strip():
+            return []
+        tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        return [config.bos_token_id, *tokens, config.eos_token_id]
+
+    def decode_tokens(self, tokens: list[int]) -> str:
+        """Decode ids, skipping pad, silence, BOS and EOS."""
+        special = self._special_ids()
+        kept = [token for token in tokens if token not in special]
+        return self.tokenizer.decode(kept, skip_special_tokens=False)
+
+    def generate(
+        self,
+        audio: Union[str, Path, np.ndarray, mx.array],
+        *,
+        system_prompt: str | None = None,
+        extra_decoding_seconds: float = 3.0,
+        seed: int = 0,
+        use_language_cache: bool = True,
+        max_frames: int | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> OfflineResult:
+        """Run one offline turn (spec "Offline timeline" steps 1-6).
+
+        Args:
+            audio: a file path or 16 kHz mono float samples.
+            system_prompt: prepended as ``[BOS] + tokens + [EOS]`` on the audio channel;
+                None uses the checkpoint default (empty), blank means none.
+            extra_decoding_seconds: silence appended so the model can finish (default 3 s).
+            seed: EAR-TTS sampling seed; the same seed gives identical codes and audio.
+            use_language_cache: persistent Nemotron-H caches (default); False recomputes
+                the full history at every position, as the reference's default does.
+            max_frames: optional cap on audio frames (at least 2).
+            progress: called as ``progress(done, total)`` after every timeline position.
+
+        Raises:
+            AudioInputError, ValueError: see :func:`prepare_waveform`; bad ``max_frames``.
+        """
+        config = self.model.config
+        rng = SessionRNG(seed)
+        frame_samples = round(config.input_sample_rate * config.frame_duration)
+        waveform = prepare_waveform(
+            audio,
+            sample_rate=config.input_sample_rate,
+            frame_samples=frame_samples,
+            extra_decoding_seconds=extra_decoding_seconds,
+        )
+        if max_frames is not None and max_frames < 2:
+            raise ValueError("max_frames must be at least 2")
+        prompt_ids = self.prompt_ids(system_prompt)
+        with rng.active():
+            return self._run(mx.array(waveform), prompt_ids, use_language_cache, max_frames, progress)
+
+    def _run(self, waveform, prompt_ids, use_language_cache, max_frames, progress) -> OfflineResult:
+        model, config = self.model, self.model.config
+        stt = model.stt_model
+        tts = model.tts_model.tts_model
+
+        mel = log_mel_spectrogram(waveform, config.audio_config.preprocessor)
+        lengths = mx.array([mel.shape[1]], dtype=mx.int32)
+        audio_embeds, lengths, asr_embeds = stt.perception(mel, lengths)
+        audio_frames = int(lengths[0])
+        if max_frames is not None:
+            audio_frames = min(audio_frames, max_frames)
+        audio_embeds = audio_embeds[:, :audio_frames]
+        asr_embeds = asr_embeds[:, :audio_frames]
+        if prompt_ids:
+            prompt_embeds = stt.embed_tokens(mx.array([prompt_ids], dtype=mx.int32))
+            audio_embeds = mx.concatenate([prompt_embeds.astype(audio_embeds.dtype), audio_embeds], axis=1)
+        prompt_frames = len(prompt_ids)
+        total = prompt_frames + audio_frames
+        mx.eval(audio_embeds, asr_embeds)
+
+        pad = config.pad_token_id
+        text = [pad] * total
+        function = [pad] * total
+        cache = stt.make_cache() if use_language_cache else None
+        history: list[mx.array] = []
+
+        prompt = self._tts_prompt()
+        _, tts_cache = tts.warmup(*prompt[:-1], audio_prompt_latent=prompt[-1], guidance=True)
+        previous_code = prompt[0][:, -1:]
+        silence = model.tts_model.codec_silence_tokens[None, None, :]
+        codes = [mx.zeros((1, 1, config.tts_config.num_quantizers), dtype=mx.int32)]
+        weight = config.function_channel_weight
+
+        for time in range(total):
+            previous_text = pad if time == 0 else text[time - 1]
+            previous_function = pad if time == 0 else function[time - 1]
+            fused = (
+                stt.embed_tokens(mx.array([[previous_text]], dtype=mx.int32))
+                + audio_embeds[:, time : time + 1]
+                + weight * stt.embed_tokens(mx.array([[previous_function]], dtype=mx.int32))
+            )
+            if cache is not None:
+                output = stt(fused, cache=cache)
+            else:
+                history.append(fused)
+                output = stt(mx.concatenate(history, axis=1))
+            if time >= prompt_frames:
+                ids = mx.stack(
+                    [
+                        mx.argmax(output.text_logits[0, -1]),
+                        mx.argmax(output.function_logits[0, -1]),
+                    ]
+                )
+                text[time], function[time] = ids.tolist()
+            if time > 0:
+                # The reference warms the LLM at position 0 without a TTS code; every later
+                # position (the prompt prefix included) advances EAR-TTS by one frame.
+                current = mx.array([[text[time]]], dtype=mx.int32)
+                if text[time] == config.eos_token_id:
+                    previous_code = mx.broadcast_to(silence, previous_code.shape)
+                previous_code = tts.step(
+                    previous_code, current, mx.ones(current.shape, dtype=mx.bool_), tts_cache, guidance=True
+                ).codes
+                codes.append(previous_code)
+            mx.eval(previous_code, output.text_logits, output.function_logits)
+            if progress is not None:
+                progress(time + 1, total)
+
+        generated = mx.concatenate(codes, axis=1)[:, prompt_frames:]
+        generated = self._replace_control_codes(generated)
+        decoded = model.tts_model.audio_codec.decode(generated.transpose(0, 2, 1))
+        mx.eval(decoded, generated)
+        text = text[prompt_frames:]
+        function = function[prompt_frames:]
+        return OfflineResult(
+            text=self.decode_tokens(text),
+            function_text=self.decode_tokens(function),
+            user_transcript=self._rnnt_decode(asr_embeds, audio_frames),
+            audio=np.array(decoded[0, 0].astype(mx.float32)),
+            sample_rate=config.output_sample_rate,
+            text_tokens=text,
+            function_tokens=function,
+            audio_codes=np.array(generated[0]),
+            frames=audio_frames,
+            prompt_frames=prompt_frames,
+        )
