@@ -1,0 +1,71 @@
+"""Shared fixtures: demo checkpoints (built once per test session) and loaded models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+DATA = Path(__file__).parent / "data"
+SPEECH_WAV = DATA / "question.wav"
+SYSTEM_PROMPT = "Be concise and answer in one sentence."
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Keep the built-in demo checkpoint cache inside the test session."""
+    os.environ["MLX_VOICECHAT_CACHE"] = str(tmp_path_factory.mktemp("voicechat-cache"))
+
+
+_BUILT: dict = {}
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """``checkpoint(preset, bits=None) -> Path``: a demo checkpoint built once per session."""
+    from mlx_voicechat_plugin.demo import build_checkpoint
+
+    def get(preset: str = "tiny", bits: int | None = None) -> Path:
+        key = (preset, bits)
+        if key not in _BUILT:
+            folder = tmp_path_factory.mktemp("ckpt") / f"{preset}-{bits or 'bf16'}"
+            _BUILT[key] = build_checkpoint(folder, preset, bits=bits, seed=0)
+        return _BUILT[key]
+
+    return get
+
+
+_LOADED: dict = {}
+
+
+@pytest.fixture(scope="session")
+def models(checkpoint):
+    """``models(preset, bits=None) -> (ours, tokenizer, upstream, upstream_processor)``."""
+    import mlx_vlm
+
+    from mlx_voicechat_plugin.loading import load
+    from mlx_voicechat_plugin.registration.hooks import upstream_models
+
+    def get(preset: str = "tiny", bits: int | None = None):
+        key = (preset, bits)
+        if key not in _LOADED:
+            path = checkpoint(preset, bits)
+            ours, tokenizer = load(path)
+            with upstream_models():
+                upstream, processor = mlx_vlm.load(str(path))
+            _LOADED[key] = (ours, tokenizer, upstream, processor)
+        return _LOADED[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def speech_16k() -> np.ndarray:
+    """The bundled espeak-ng question ("What is the capital of France?") at 16 kHz mono."""
+    from mlx_voicechat_plugin.runtime.audio_io import read_audio
+
+    return read_audio(SPEECH_WAV, 16_000)
