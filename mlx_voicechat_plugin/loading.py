@@ -37,13 +37,23 @@ def resolve_checkpoint(model: str | Path) -> Path:
 
 
 def load_tokenizer(path: str | Path):
-    """The checkpoint's text tokenizer (``transformers.AutoTokenizer``)."""
+    """The checkpoint's text tokenizer (``transformers.AutoTokenizer``).
+
+    transformers' "model of type nemotron_voicechat" config warning is silenced even when
+    transformers was imported (and its verbosity fixed) before this call.
+    """
     import os
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    return AutoTokenizer.from_pretrained(str(path))
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    finally:
+        hf_logging.set_verbosity(previous)
 
 
 def load(model: str | Path, *, lazy: bool = False):

@@ -9,8 +9,13 @@ flag spellings (``--prompt`` with several words, ``--system``, ``--output``,
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+
+#: Most silence ``--extra-decoding-seconds`` may append (spec "Limits"; the runtime enforces
+#: the same cap, this only reports it with the flag's spelling before any work is done).
+MAX_EXTRA_DECODING_SECONDS = 600.0
 
 OFFLINE_COMMAND = (
     "mlx-voicechat generate --model CKPT --audio question.wav --output-audio answer.wav "
@@ -101,6 +106,14 @@ def _check_arguments(args, unknown: list[str]) -> list[str]:
         notes.append("note: ignoring options that do not apply to this model: " + " ".join(unknown))
     if (args.profile or args.max_streaming_seconds is not None) and not args.stream:
         raise UsageError("--profile and --max-streaming-seconds need --stream")
+    extra = args.extra_decoding_seconds
+    if not math.isfinite(extra) or not 0.0 <= extra <= MAX_EXTRA_DECODING_SECONDS:
+        raise UsageError(
+            f"--extra-decoding-seconds must be between 0 and {MAX_EXTRA_DECODING_SECONDS:g} "
+            f"seconds, got {extra:g}"
+        )
+    if args.seed < 0:
+        raise UsageError("--seed must be a non-negative integer")
     return notes
 
 
@@ -144,9 +157,6 @@ def _run(args) -> int:
         args.audio[0], sample_rate=16_000, frame_samples=1280,
         extra_decoding_seconds=args.extra_decoding_seconds,
     )
-    if args.seed < 0:
-        raise UsageError("--seed must be a non-negative integer")
-
     from ..loading import load
 
     if args.model is None:

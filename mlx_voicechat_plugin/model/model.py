@@ -73,5 +73,31 @@ class Model(UpstreamModel):
         """
         from ..runtime.offline import OfflineSession
 
-        tokenizer = self.tokenizer if processor is None else getattr(processor, "tokenizer", processor)
-        return OfflineSession(self, tokenizer)
+        return OfflineSession(self, self._resolve_tokenizer(processor))
+
+    def create_streaming_session(self, options=None, *, processor=None, **fields):
+        """Return a :class:`~mlx_voicechat_plugin.runtime.streaming.StreamingSession`.
+
+        Args:
+            options: a ``StreamingOptions``; or give its fields as keyword arguments
+                (``system_prompt=``, ``seed=``, ``max_streaming_seconds=``,
+                ``use_language_cache=``, ``use_perception_cache=``, ``profile=``).
+            processor: the processor/tokenizer from ``mlx_vlm.load`` (default: the
+                checkpoint's tokenizer).
+
+        Raises:
+            TypeError: both ``options`` and keyword fields given, or an unknown field.
+            ValueError: an invalid option value (see ``StreamingOptions``).
+        """
+        from ..runtime.streaming import StreamingOptions, StreamingSession
+
+        if options is not None and fields:
+            raise TypeError("pass either a StreamingOptions or keyword fields, not both")
+        if options is None:
+            options = StreamingOptions(**fields)
+        return StreamingSession(self, self._resolve_tokenizer(processor), options)
+
+    def _resolve_tokenizer(self, processor):
+        if processor is None:
+            return self.tokenizer
+        return getattr(processor, "tokenizer", processor)

@@ -6,10 +6,12 @@ inside every matmul and convolution on every frame. Converting them once at load
 (every bf16 value is an f32 value), so outputs are bit-identical; the cost is resident
 memory (2 extra bytes per pinned parameter).
 
-Pinned: the whole perception stack (encoder and its projection), the EAR-TTS backbone's
+Pinned: the perception stack (encoder and its projection) except its norm weights and
+biases (LayerNorms, including the conformer's ``conv.batch_norm``), the EAR-TTS backbone's
 attention and MLP projections, the MoG head's MLP and output projections (``proj_logits``,
 ``proj_logs``, ``proj_else``), the code embedding, the gated fusion's audio projection, and
-the BOS / audio-prompt projection tensors. Left as stored: norm (offset) weights, the bf16
+the BOS / audio-prompt projection tensors. Left as stored (spec: "Norm weights and the bf16
+subword path stay as stored"): every norm weight, encoder and EAR-TTS alike, the bf16
 character-aware subword path and text projection, gathered tables (``rvq_embs``,
 ``proj_mus``, ``low_mat``, token embeddings), the LLM, RNNT branch and codec.
 """
@@ -27,7 +29,7 @@ PIN_ENV = "MLX_VOICECHAT_PIN_F32"
 
 _PINNED = re.compile(
     r"^(?:"
-    r"stt_model\.perception\..*"
+    r"stt_model\.perception\.(?![\w.]*norm)[\w.]*"
     r"|tts_model\.tts_model\.backbone\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight"
     r"|tts_model\.tts_model\.mog_head\.mlp_stack\.\d+\.mlp\.(?:gate|up|down)_proj\.weight"
     r"|tts_model\.tts_model\.mog_head\.proj_(?:logits|logs|else)\.weight"

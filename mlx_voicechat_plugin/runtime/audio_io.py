@@ -10,7 +10,7 @@ atomically so a failure never leaves a partial file.
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 import numpy as np
@@ -82,9 +82,23 @@ def check_wav_output_path(path: str | Path) -> Path:
         raise AudioInputError(f"{target}: the output file must be a .wav file")
     if target.is_dir():
         raise AudioInputError(f"{target}: is a directory")
-    if not target.parent.exists() and str(target.parent) not in ("", "."):
+    if not target.parent.is_dir():
         raise AudioInputError(f"{target}: directory {target.parent} does not exist")
     return target
+
+
+def _create_temporary(directory: Path, name: str) -> Path:
+    """A new empty hidden file next to the target, created with the usual ``0o666 & ~umask``
+    mode (``tempfile.mkstemp`` would make the final WAV owner-only, 0600)."""
+    for _ in range(100):
+        candidate = directory / f".{name}.{secrets.token_hex(6)}.tmp"
+        try:
+            handle = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        os.close(handle)
+        return candidate
+    raise FileExistsError(f"{directory}: could not create a temporary file")  # pragma: no cover
 
 
 def write_wav_pcm16(path: str | Path, samples: np.ndarray, sample_rate: int) -> Path:
@@ -97,13 +111,11 @@ def write_wav_pcm16(path: str | Path, samples: np.ndarray, sample_rate: int) -> 
 
     target = check_wav_output_path(path)
     pcm = to_pcm16(samples)
-    directory = target.parent if str(target.parent) else Path(".")
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".wav", dir=directory)
-    os.close(handle)
+    temporary = _create_temporary(target.parent, target.name)
     try:
-        soundfile.write(temporary, pcm, sample_rate, subtype="PCM_16", format="WAV")
+        soundfile.write(str(temporary), pcm, sample_rate, subtype="PCM_16", format="WAV")
         os.replace(temporary, target)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
     return target

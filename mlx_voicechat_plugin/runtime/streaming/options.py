@@ -1,0 +1,58 @@
+"""``StreamingOptions`` (spec "Online session")."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+#: A session lasts at most this much audio (spec "One session at a time": 600 s).
+MAX_STREAMING_SECONDS = 600.0
+
+
+@dataclass(frozen=True)
+class StreamingOptions:
+    """How a streaming session runs.
+
+    Attributes:
+        system_prompt: prefilled as ``[BOS] + tokens + [EOS]`` on the audio channel; None
+            uses the checkpoint default (empty), a blank string means none.
+        seed: EAR-TTS sampling seed, an integer in ``[0, 2**64)`` (default 0).
+        max_streaming_seconds: stop with :class:`ContextLimitError` after this much audio
+            (``None``: unbounded). Must be positive and finite.
+        use_language_cache: persistent Nemotron-H caches (default); False recomputes the
+            LLM over the full fused-input history every frame (diagnostic).
+        use_perception_cache: cache-aware log-mel + FastConformer (default); False
+            recomputes them over a sliding sample window every frame (diagnostic).
+        profile: record per-frame stage timings (:class:`StreamingProfile`).
+    """
+
+    system_prompt: str | None = None
+    seed: int = 0
+    max_streaming_seconds: float | None = None
+    use_language_cache: bool = True
+    use_perception_cache: bool = True
+    profile: bool = False
+
+    def __post_init__(self):
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise TypeError("system_prompt must be a string or None")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        limit = self.max_streaming_seconds
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+                raise TypeError("max_streaming_seconds must be a number or None")
+            if not math.isfinite(limit) or limit <= 0:
+                raise ValueError(f"max_streaming_seconds must be positive and finite, got {limit!r}")
+
+    def max_frames(self, frame_seconds: float = 0.08) -> int | None:
+        """Whole frames allowed by ``max_streaming_seconds`` (exact decimal arithmetic).
+
+        ``Fraction(repr(x))`` reads the number as the user wrote it, so 0.24 s allows
+        exactly 3 frames of 80 ms (binary floating point would give 2.9999...).
+        """
+        if self.max_streaming_seconds is None:
+            return None
+        seconds = Fraction(repr(float(self.max_streaming_seconds)))
+        return math.floor(seconds / Fraction(repr(float(frame_seconds))))

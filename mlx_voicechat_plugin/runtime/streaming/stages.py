@@ -1,0 +1,199 @@
+"""Persistent per-stage state of a streaming session (spec "Online session" state table).
+
+Each stage keeps its state in one object with a ``reset()``:
+
+=========================  =============================================================
+:class:`MelFrontend`       the sample tail the centered STFT still needs (host memory)
+``ConformerStreamingState`` upstream mlx-audio: per layer the last 70 attention inputs and
+                           8 conv inputs, plus the 16-frame mel cache of the subsampling
+:class:`TranscriptState`   RNNT last token and LSTM state
+:class:`LanguageState`     Nemotron-H Mamba2 state and attention KV caches (or history)
+:class:`SpeechState`       EAR-TTS KV caches (rotating for sliding layers), previous codes,
+                           codec ConvNeXt and iSTFT overlap
+=========================  =============================================================
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+from mlx_audio.codec.models.nemotron_voicechat import CausalConv1dCache
+from mlx_audio.stt.models.nemotron_asr import tokenizer as rnnt_tokenizer
+from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram_frames
+
+
+class MelFrontend:
+    """Incremental centered log-mel with its sample tail in host memory.
+
+    Emits the hop-aligned frames whose centers trail the input edge by ``lookahead``
+    samples (1280: one 80 ms frame), computed with upstream
+    ``log_mel_spectrogram_frames`` over the same retained window as upstream
+    ``StreamingLogMelSpectrogram``, so the frames are identical; keeping the tail in
+    NumPy removes that class's per-frame device evaluation.
+    """
+
+    def __init__(self, args, lookahead: int):
+        self.args = args
+        self.lookahead = lookahead
+        self._lookbehind_frames = math.ceil((args.n_fft // 2 + 1) / args.hop_length)
+        self.reset()
+
+    def reset(self) -> None:
+        self._samples = np.zeros(0, dtype=np.float32)
+        self._buffer_start = 0
+        self._total = 0
+        self._next_frame = 0
+
+    def push(self, samples: np.ndarray) -> mx.array:
+        """Append ``(n,)`` float32 samples; return ``(1, frames, 128)`` new mel frames."""
+        hop = self.args.hop_length
+        self._samples = np.concatenate([self._samples, samples])
+        self._total += samples.shape[0]
+        center = self._total - self.lookahead
+        frame_end = center // hop + 1 if center >= 0 else 0
+        if frame_end <= self._next_frame:
+            return mx.zeros((1, 0, self.args.features), dtype=mx.float32)
+        first = self._buffer_start // hop
+        mel = log_mel_spectrogram_frames(
+            mx.array(self._samples), self.args, self._next_frame - first, frame_end - first
+        )
+        self._next_frame = frame_end
+        keep = max(self._next_frame - self._lookbehind_frames, 0) * hop
+        if keep > self._buffer_start:
+            self._samples = self._samples[keep - self._buffer_start :]
+            self._buffer_start = keep
+        return mel
+
+
+class TranscriptState:
+    """Greedy RNNT decoding state (last emitted token, LSTM state, transcript).
+
+    Mirrors upstream ``streaming._RNNTState``: per encoder frame, emit symbols until blank
+    or ``max_symbols``; each symbol is one host readback.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.reset()
+
+    def reset(self) -> None:
+        self.last_token = self.model.config.rnnt_blank_id
+        self.hidden = None
+        self.tokens: list[int] = []
+        self.text = ""
+
+    def state_arrays(self) -> list[mx.array]:
+        return list(self.hidden) if self.hidden is not None else []
+
+    def step(self, encoded: mx.array, clock) -> tuple[str, str] | None:
+        """Consume one ``(1, 1, d)`` encoder frame; return ``(delta, text)`` on change."""
+        config = self.model.config
+        vocabulary = config.rnnt_vocabulary
+        if not vocabulary:
+            return None
+        decoder = self.model.stt_model.rnnt_decoder
+        joint = self.model.stt_model.rnnt_joint
+        blank = config.rnnt_blank_id
+        previous = len(self.tokens)
+        emitted = 0
+        while True:
+            token = mx.array([[self.last_token]], dtype=mx.int32) if self.last_token != blank else None
+            prediction, proposed = decoder(token, self.hidden)
+            logits = joint(encoded, prediction.astype(encoded.dtype))
+            next_token = int(mx.argmax(logits))
+            clock.sync()
+            if next_token == blank:
+                break
+            self.last_token = next_token
+            self.hidden = tuple(value.astype(encoded.dtype) for value in proposed)
+            if not rnnt_tokenizer.is_special_token(next_token, vocabulary):
+                self.tokens.append(next_token)
+            emitted += 1
+            if emitted >= config.audio_config.max_symbols:
+                break
+        if len(self.tokens) == previous:
+            return None
+        updated = rnnt_tokenizer.decode(self.tokens, vocabulary).strip()
+        delta = updated[len(self.text) :] if updated.startswith(self.text) else updated
+        self.text = updated
+        return delta, updated
+
+
+def cache_arrays(caches) -> list[mx.array]:
+    """The arrays held by mlx-vlm KV / Mamba caches (to evaluate them in place)."""
+    arrays: list[mx.array] = []
+    for entry in caches or []:
+        if hasattr(entry, "keys") and not callable(entry.keys):
+            candidates = [entry.keys, entry.values]
+        else:
+            candidates = list(getattr(entry, "cache", []) or [])
+        arrays.extend(value for value in candidates if isinstance(value, mx.array))
+    return arrays
+
+
+class LanguageState:
+    """Nemotron-H state: persistent caches, or the fused-input history (diagnostic)."""
+
+    def __init__(self, model, use_cache: bool):
+        self.model = model
+        self.use_cache = use_cache
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self.model.stt_model.make_cache() if self.use_cache else None
+        self.history: list[mx.array] = []
+
+    def step(self, fused: mx.array):
+        """Run one ``(1, 1, hidden)`` fused position; returns upstream ``VoiceChatOutput``."""
+        if self.cache is not None:
+            return self.model.stt_model(fused, cache=self.cache)
+        self.history.append(fused)
+        return self.model.stt_model(mx.concatenate(self.history, axis=1))
+
+    def state_arrays(self) -> list[mx.array]:
+        return cache_arrays(self.cache)
+
+
+class SpeechState:
+    """EAR-TTS caches and fed-back codes, plus the streaming codec's overlap state."""
+
+    def __init__(self, model, helper):
+        self.model = model
+        self.helper = helper  # an OfflineSession: _tts_prompt / _replace_control_codes
+        self.reset()
+
+    def reset(self) -> None:
+        tts = self.model.tts_model.tts_model
+        prompt = self.helper._tts_prompt()
+        _, self.cache = tts.warmup(*prompt[:-1], audio_prompt_latent=prompt[-1], guidance=True)
+        self.previous_code = prompt[0][:, -1:]
+        self.codec_cache = CausalConv1dCache()
+
+    def step(self, text_id: int, first: bool) -> mx.array:
+        """Advance one frame conditioned on ``text_id``; returns ``(1, 1, 31)`` codes.
+
+        The first timeline position emits the codec silence codes without a TTS step, as
+        the reference does; an EOS text token resets the fed-back codes to silence.
+        """
+        silence = self.model.tts_model.codec_silence_tokens[None, None, :]
+        if first:
+            return silence
+        config = self.model.config
+        current = mx.array([[text_id]], dtype=mx.int32)
+        if text_id == config.eos_token_id:
+            self.previous_code = mx.broadcast_to(silence, self.previous_code.shape)
+        self.previous_code = self.model.tts_model.tts_model.step(
+            self.previous_code, current, mx.ones(current.shape, dtype=mx.bool_), self.cache, guidance=True
+        ).codes
+        return self.previous_code
+
+    def decode(self, code: mx.array) -> tuple[mx.array, mx.array]:
+        """Codes ``(1, 1, 31)`` -> ``(clean codes (1, 1, 31), samples (1764,))``."""
+        clean = self.helper._replace_control_codes(code)
+        samples = self.model.tts_model.audio_codec.decode_step(clean.transpose(0, 2, 1), self.codec_cache)
+        return clean, samples[0, 0]
+
+    def state_arrays(self) -> list[mx.array]:
+        return [self.previous_code, *self.codec_cache.cache.values(), *cache_arrays(self.cache)]

@@ -1,0 +1,133 @@
+"""Unsupported or inconsistent checkpoints fail at load with one clear message.
+
+Both entry points are checked: this package's ``loading.load`` and ``mlx_vlm.load`` (routed
+here by the shim), since the validation lives in ``Model.__init__``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_voicechat_plugin.loading import CheckpointError, load
+from mlx_voicechat_plugin.model import VoiceChatConfigError
+
+
+def _edited_copy(source: Path, destination: Path, edit) -> Path:
+    shutil.copytree(source, destination)
+    config_path = destination / "config.json"
+    config = json.loads(config_path.read_text())
+    edit(config)
+    config_path.write_text(json.dumps(config))
+    return destination
+
+
+def _set(*keys_and_value):
+    *keys, value = keys_and_value
+
+    def edit(config: dict) -> None:
+        target = config
+        for key in keys[:-1]:
+            target = target[key]
+        target[keys[-1]] = value
+
+    return edit
+
+
+def _wrong_blank(config: dict) -> None:
+    # The blank must be the class right after the vocabulary; point it inside it instead.
+    config["rnnt_blank_id"] = config["audio_config"]["joint"]["num_classes"] - 1
+
+
+CASES = {
+    "speaker": (_set("speaker", "Bob"), ("speaker", "'Bob'", "Aria")),
+    "input_sample_rate": (_set("input_sample_rate", 44100), ("input_sample_rate", "44100")),
+    "codec_num_quantizers": (
+        _set("codec_config", "num_quantizers", 30),
+        ("codec_config.num_quantizers", "(30)", "tts_config.num_quantizers", "(31)"),
+    ),
+    "rnnt_blank_id": (_wrong_blank, ("rnnt_blank_id",)),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_checkpoints(checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad-configs")
+    return {
+        name: _edited_copy(checkpoint("tiny"), root / name, edit)
+        for name, (edit, _) in CASES.items()
+    }
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_plugin_load_rejects_unsupported_config_naming_the_field(bad_checkpoints, case):
+    with pytest.raises(VoiceChatConfigError) as raised:
+        load(bad_checkpoints[case])
+    message = str(raised.value)
+    for fragment in CASES[case][1]:
+        assert fragment in message, (fragment, message)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mlx_vlm_load_rejects_unsupported_config_naming_the_field(bad_checkpoints, case):
+    import mlx_vlm
+
+    from mlx_voicechat_plugin.registration.shim import install
+
+    install(force=True)
+    with pytest.raises(VoiceChatConfigError) as raised:
+        mlx_vlm.load(str(bad_checkpoints[case]))
+    message = str(raised.value)
+    for fragment in CASES[case][1]:
+        assert fragment in message, (fragment, message)
+
+
+def test_unmodified_checkpoint_passes_validation(checkpoint):
+    # The control for the cases above: the same files with the stored config load fine.
+    model, _ = load(checkpoint("tiny"))
+    assert type(model).__module__ == "mlx_voicechat_plugin.model.model"
+
+
+def test_load_rejects_other_model_type_as_checkpoint_error(checkpoint, tmp_path):
+    other = _edited_copy(checkpoint("tiny"), tmp_path / "llama", _set("model_type", "llama"))
+    with pytest.raises(CheckpointError, match=r"model_type is 'llama', not 'nemotron_voicechat'"):
+        load(other)
+
+
+def test_load_rejects_missing_directory_as_checkpoint_error(tmp_path):
+    missing = tmp_path / "does-not-exist"
+    with pytest.raises(CheckpointError, match="no such checkpoint directory") as raised:
+        load(missing)
+    assert str(missing) in str(raised.value)
+
+
+def test_load_rejects_directory_without_config_as_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json in this directory"):
+        load(tmp_path)
+
+
+def test_load_prints_nothing_even_after_transformers_was_imported(checkpoint):
+    # mlx-audio imports transformers before our loader runs, so TRANSFORMERS_VERBOSITY set
+    # later is ignored; the tokenizer load must still not warn about the model type.
+    code = (
+        "import sys, transformers\n"
+        "from mlx_voicechat_plugin.loading import load\n"
+        "load(sys.argv[1])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_VERBOSITY"}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(checkpoint("tiny"))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr == ""
+    assert done.stdout == ""
