@@ -184,7 +184,7 @@ def test_closed_session_rejects_audio_and_close_is_idempotent(models):
     session = ours.create_streaming_session(processor=tokenizer)
     session.push_audio(np.zeros(1500, np.float32))
     first = session.flush()
-    assert [e.kind for e in first if e.kind in ("audio", "done")] == ["audio", "audio", "done"]
+    assert [(e.kind, e.frame_index) for e in first if e.kind in ("audio", "done")] == [("audio", 1), ("done", 2)]
     assert session.flush() == [] and session.cancel() == []
     with pytest.raises(SessionClosedError):
         session.push_audio(np.zeros(10, np.float32))
