@@ -11,7 +11,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: mlx-voicechat {generate,demo} ...  (mlx-voicechat <command> --help)"
+    usage = "usage: mlx-voicechat {generate,serve,demo} ...  (mlx-voicechat <command> --help)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
@@ -20,6 +20,10 @@ def main(argv: list[str] | None = None) -> int:
         from .generate import main as generate_main
 
         return generate_main(rest)
+    if command == "serve":
+        from ..server.cli import main as serve_main
+
+        return serve_main(rest)
     if command == "demo":
         from ..demo.__main__ import main as demo_main
 

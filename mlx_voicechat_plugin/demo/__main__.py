@@ -29,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         path = build_checkpoint(
             args.output, args.preset, bits=args.bits, seed=args.seed, overwrite=args.overwrite
         )
-    except (FileExistsError, ValueError) as error:
+    except FileExistsError:
+        print(f"error: {args.output} already exists (pass --overwrite to replace it)",
+              file=sys.stderr)
+        return 2
+    except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(path)

@@ -3,10 +3,11 @@
 The tensors are initialised on the upstream module tree (``mlx_vlm.models.nemotron_voicechat
 .Model``), given realistic buffers (codebooks shared by the codec and EAR-TTS, the codec's
 own silence codes, subword flags from the tokenizer), scaled so greedy decisions are far from
-ties, and then written back in the PyTorch layouts that upstream ``Model.sanitize`` expects:
-conv kernels channel-first, LSTM ``weight_ih_l*`` / ``weight_hh_l*`` / ``bias_ih_l*`` /
-``bias_hh_l*``, the ``_control_codes`` and ``prvq._variance_list`` private names, and the
-mel preprocessor buffers that the loader drops.
+ties, shaped so the codec's silence codes decode to silence, and then written back in the
+PyTorch layouts that upstream ``Model.sanitize`` expects: conv kernels channel-first, LSTM
+``weight_ih_l*`` / ``weight_hh_l*`` / ``bias_ih_l*`` / ``bias_hh_l*``, the ``_control_codes``
+and ``prvq._variance_list`` private names, and the mel preprocessor buffers that the loader
+drops.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 #: Control codes of the demo codec (replaced by the per-codebook silence code on output).
@@ -22,6 +24,11 @@ CONTROL_CODES = (1021, 1022, 1023)
 ENC_GAIN = 4.0
 PRED_GAIN = 2.0
 BLANK_BIAS = 0.3
+#: Norm of the codec latent of digital silence along the loudness axis (see
+#: :func:`_shape_codec_loudness`); the residual codebooks reach about 10-12 of it.
+SILENCE_LATENT_NORM = 16.0
+#: Magnitude-logit change per unit of latent along the loudness axis.
+LOUDNESS_GAIN = 1.0
 
 _LLM_QUANTIZED_LEAVES = (
     "in_proj",
@@ -131,6 +138,7 @@ def randomize(model, vocabulary: dict[str, int], config: dict) -> None:
     model.update(tree_unflatten(list(updates.items())))
 
     _calibrate_rnnt_blank(model, config)
+    _shape_codec_loudness(model)
     _set_codec_silence(model)
 
 
@@ -148,6 +156,54 @@ def _calibrate_rnnt_blank(model, config: dict) -> None:
     weight = joint.joint_net[2].weight
     spread = float(mx.sqrt(mx.sum(weight * weight, axis=1)).mean())
     joint.joint_net[2].bias = joint.joint_net[2].bias.at[blank].add(BLANK_BIAS * spread)
+
+
+def _shape_codec_loudness(model) -> None:
+    """Give the random codec a loudness axis, so that silence decodes to silence.
+
+    With MLX's default init the codec maps silence to a zero latent, and the decoder maps
+    any latent near zero to unit spectral magnitudes (its magnitude logits sit at the
+    midpoint of ``100 * sigmoid(x - ln 100)``): the "silence" codes played back as noise as
+    loud as random codes. Like a trained codec, the demo codec now encodes digital silence
+    to a fixed latent ``SILENCE_LATENT_NORM * u`` (bias of the encoder's last ConvNeXt
+    block), and its decoder carries ``<latent, u>`` on channel 0 of every stage (untouched
+    by the ConvNeXt branches) into all magnitude logits with gain ``-LOUDNESS_GAIN``, so the
+    silence codes decode to about -100 dB while random codes stay audible. Deterministic:
+    no random numbers are drawn, so every other weight is unchanged.
+    """
+    codec = model.tts_model.audio_codec
+    encoder, decoder = codec.encoder.layers, codec.decoder.layers
+    latent_dim = codec.config.latent_dim
+    u = np.full((latent_dim,), 1.0 / math.sqrt(latent_dim), dtype=np.float32)
+
+    # Encoder: digital silence is zero up to the last ConvNeXt block, whose output bias b is
+    # then the constant input of the final strided conv W; solve sum_k W[:, k, :] b = a u.
+    final = np.array(encoder[-1].weight.astype(mx.float32))  # (latent, K, C)
+    bias = np.linalg.lstsq(final.sum(axis=1), SILENCE_LATENT_NORM * u, rcond=None)[0]
+    encoder[-2].pwconv2.bias = mx.array(bias.astype(np.float32))
+
+    # Decoder: channel 0 = <latent, u> at every upsampled position; other channels see only
+    # the part of the latent orthogonal to u, and never channel 0.
+    first = np.array(decoder[0].weight.astype(mx.float32))  # (C, K, latent)
+    first = first - (first @ u)[..., None] * u
+    first[0] = u
+    decoder[0].weight = mx.array(first)
+    for layer in decoder[1:-1]:
+        if hasattr(layer, "pwconv2"):  # ConvNeXt block: keep channel 0 on the residual path
+            layer.pwconv2.weight = layer.pwconv2.weight.at[0].multiply(0.0)
+            layer.pwconv2.bias = layer.pwconv2.bias.at[0].multiply(0.0)
+        else:  # transposed upsampling conv (C_out, K, C_in)
+            weight = np.array(layer.weight.astype(mx.float32))
+            weight[:, :, 0] = 0.0
+            weight[0] = 0.0
+            weight[0, :, 0] = 1.0
+            layer.weight = mx.array(weight)
+    head = np.array(decoder[-1].weight.astype(mx.float32))  # (2 * bins, 1, C)
+    bins = codec.config.n_fft // 2 + 1
+    head[:, :, 0] = 0.0
+    head[:bins] *= 0.5
+    head[:bins, :, 0] = -LOUDNESS_GAIN
+    decoder[-1].weight = mx.array(head)
 
 
 def _set_codec_silence(model) -> None:

@@ -8,6 +8,8 @@ Each hook is idempotent and only wraps public functions:
   checkpoint to :func:`mlx_voicechat_plugin.cli.generate.main`; other models are untouched.
 * ``mlx_vlm.chat.main`` (``python -m mlx_vlm chat``) refuses a VoiceChat checkpoint with a
   pointer to the offline command.
+* ``mlx_vlm.server.cli.main`` (``python -m mlx_vlm.server``) serves a VoiceChat checkpoint
+  with :mod:`mlx_voicechat_plugin.server` (only ``/v1/realtime``); other models are untouched.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def hook_utils(module) -> None:
 
 
 def _cli_target_is_voicechat(argv: list[str]) -> bool:
-    from ..checkpoint import model_argument, is_voicechat_checkpoint
+    from ..checkpoint import is_voicechat_checkpoint, model_argument
 
     model = model_argument(argv)
     return model is not None and is_voicechat_checkpoint(model)
@@ -105,8 +107,25 @@ def hook_chat(module) -> None:
     module.main = main
 
 
+@_once
+def hook_server_cli(module) -> None:
+    """Route ``python -m mlx_vlm.server --model <voicechat>`` to our realtime server."""
+    original = module.main
+
+    @functools.wraps(original)
+    def main():
+        if _cli_target_is_voicechat(sys.argv[1:]):
+            from ..server.cli import main as serve_main
+
+            raise SystemExit(serve_main(sys.argv[1:], prog="python -m mlx_vlm.server"))
+        return original()
+
+    module.main = main
+
+
 HOOKS = {
     "mlx_vlm.utils": hook_utils,
     "mlx_vlm.generate.dispatch": hook_generate,
     "mlx_vlm.chat": hook_chat,
+    "mlx_vlm.server.cli": hook_server_cli,
 }

@@ -15,9 +15,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Union
 
 import mlx.core as mx
 import numpy as np
@@ -65,7 +65,7 @@ class OfflineResult:
 
 
 def prepare_waveform(
-    audio: Union[str, Path, np.ndarray, mx.array],
+    audio: str | Path | np.ndarray | mx.array,
     *,
     sample_rate: int,
     frame_samples: int,
@@ -161,7 +161,7 @@ class OfflineSession(VoiceChatSession):
 
     def generate(
         self,
-        audio: Union[str, Path, np.ndarray, mx.array],
+        audio: str | Path | np.ndarray | mx.array,
         *,
         system_prompt: str | None = None,
         extra_decoding_seconds: float = 3.0,

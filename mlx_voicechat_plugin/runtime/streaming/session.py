@@ -36,8 +36,8 @@ from .errors import (
     WrongThreadError,
 )
 from .events import (
-    Audio,
     AssistantTextDelta,
+    Audio,
     Cancelled,
     Done,
     FunctionDelta,

@@ -1,0 +1,121 @@
+"""The FastAPI application serving one VoiceChat checkpoint.
+
+Routes (all under ``--api-prefix``):
+
+* ``GET  /v1/realtime`` -- the WebSocket (:mod:`.connection`), gated by API key and Origin;
+* ``GET  /health`` -- ``{"status", "engine_alive", "session_slot", "model"}``; 200 while the
+  engine thread is alive, 503 otherwise (for load balancers);
+* ``GET  /v1/models`` -- the served model id;
+* ``GET  /voicechat`` -- the bundled browser voice-chat page (self-contained HTML);
+* ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/messages`` --
+  501 Not Implemented naming ``/v1/realtime`` (this checkpoint has no text chat surface).
+
+No chat worker, batch scheduler or text warm-up exists here, and no route loads another
+model: the server serves exactly the checkpoint it was started with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.websockets import WebSocket
+
+from .connection import Connection
+from .engine import RealtimeEngine
+from .security import accepted_subprotocol, key_matches, origin_allowed, presented_key
+from .settings import ServerSettings
+
+CHAT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+
+
+async def _deny(websocket: WebSocket, status: int, message: str) -> None:
+    """Refuse the upgrade with an HTTP status (before accept)."""
+    response = JSONResponse({"error": {"message": message}}, status_code=status)
+    try:
+        await websocket.send_denial_response(response)
+    except RuntimeError:  # server without the websocket.http.response extension
+        await websocket.close(code=1008)
+
+
+def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engine: bool = False) -> FastAPI:
+    """Build the app.
+
+    Args:
+        settings: limits and access policy.
+        engine: the realtime engine (its thread owns the model).
+        manage_engine: start the engine in the app's lifespan and stop it on shutdown
+            (the CLI does this; tests start the engine themselves).
+    """
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        if manage_engine:
+            import asyncio
+
+            await asyncio.to_thread(engine.start)
+        try:
+            yield
+        finally:
+            if manage_engine:
+                engine.stop()
+
+    app = FastAPI(title="mlx-voicechat-plugin realtime server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.settings = settings
+    app.state.engine = engine
+    realtime_path = settings.path("/v1/realtime")
+
+    @app.websocket(realtime_path)
+    async def realtime(websocket: WebSocket):
+        headers = websocket.headers
+        if not origin_allowed(headers.get("origin"), headers.get("host"), settings.allowed_origins):
+            await _deny(websocket, 403, "this Origin is not allowed to open the realtime WebSocket")
+            return
+        offered = list(websocket.scope.get("subprotocols") or [])
+        if not key_matches(settings.api_key, presented_key(headers.get("authorization"), offered)):
+            await _deny(websocket, 401, "missing or wrong API key (send Authorization: Bearer <key>)")
+            return
+        await websocket.accept(subprotocol=accepted_subprotocol(offered))
+        await Connection(websocket, engine, settings).run()
+
+    @app.get(settings.path("/health"))
+    async def health():
+        alive = engine.alive
+        body = {
+            "status": "ok" if alive else "unavailable",
+            "engine_alive": alive,
+            "session_slot": "free" if engine.slot_free else "busy",
+            "model": settings.model_id,
+        }
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get(settings.path("/v1/models"))
+    async def models():
+        return {"object": "list", "data": [{"id": settings.model_id, "object": "model", "owned_by": "local"}]}
+
+    @app.get(settings.path("/voicechat"))
+    async def page():
+        from fastapi.responses import HTMLResponse
+
+        html = (Path(__file__).parent / "static" / "voicechat.html").read_text(encoding="utf-8")
+        return HTMLResponse(html, headers={"Cache-Control": "no-store"})
+
+    async def not_implemented(request: Request):
+        return JSONResponse(
+            {
+                "error": {
+                    "message": (
+                        f"{request.url.path} is not available for NemotronLabs VoiceChat: this "
+                        f"server only serves the realtime WebSocket at {realtime_path}"
+                    ),
+                    "type": "not_implemented",
+                }
+            },
+            status_code=501,
+        )
+
+    for route in CHAT_ROUTES:
+        app.add_api_route(settings.path(route), not_implemented, methods=["POST", "GET"])
+    return app

@@ -1,0 +1,113 @@
+"""``mlx-voicechat serve`` and ``python -m mlx_vlm.server --model <voicechat checkpoint>``.
+
+Loads the checkpoint once on the engine thread and serves ``/v1/realtime`` with uvicorn.
+mlx-vlm server flags that do not apply to this model are accepted and ignored with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .settings import IDLE_TIMEOUT, MAX_MESSAGE_BYTES, MAX_SESSION_SECONDS, SESSION_UPDATE_TIMEOUT
+
+
+def _origins(values: list[str] | None) -> list[str]:
+    found: list[str] = []
+    for value in values or []:
+        found.extend(part for part in value.replace(",", " ").split() if part)
+    return found
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Serve NemotronLabs VoiceChat over the realtime WebSocket /v1/realtime.")
+    parser.add_argument("--model", "-m", default=None, help="checkpoint directory (default: the built-in tiny demo checkpoint)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 to listen on all interfaces)")
+    parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    parser.add_argument("--api-key", default=os.environ.get("MLX_VOICECHAT_API_KEY"), help="require Authorization: Bearer <key> on the upgrade (env MLX_VOICECHAT_API_KEY)")
+    parser.add_argument("--api-prefix", default="", help="prefix for every route, e.g. /voice")
+    parser.add_argument("--cors-origins", action="append", default=None, help="browser origins allowed to connect (comma/space separated; '*' for any)")
+    parser.add_argument("--allowed-origins", action="append", default=None, help="same as --cors-origins")
+    parser.add_argument("--alias", default=None, help="model id reported in session.updated (default: the checkpoint directory name)")
+    parser.add_argument("--session-update-timeout", type=float, default=SESSION_UPDATE_TIMEOUT, help=argparse.SUPPRESS)
+    parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT, help=argparse.SUPPRESS)
+    parser.add_argument("--max-session-seconds", type=float, default=MAX_SESSION_SECONDS, help=argparse.SUPPRESS)
+    parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help=argparse.SUPPRESS)
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    return parser
+
+
+def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve") -> int:
+    """Parse arguments, load the checkpoint on the engine thread, run uvicorn."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, unknown = build_parser(prog).parse_known_args(argv)
+    if unknown:
+        print("note: ignoring options that do not apply to this model: " + " ".join(unknown), file=sys.stderr)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import uvicorn
+
+    from ..loading import CheckpointError, resolve_checkpoint
+    from .app import create_app
+    from .engine import RealtimeEngine
+    from .settings import ServerSettings
+
+    if args.model is None:
+        from ..demo import default_checkpoint
+
+        model_path = default_checkpoint()
+        print(f"[model] built-in demo checkpoint (random weights): {model_path}", file=sys.stderr)
+    else:
+        try:
+            model_path = resolve_checkpoint(args.model)
+        except CheckpointError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    try:
+        settings = ServerSettings(
+            model_id=args.alias or Path(model_path).name.lower(),
+            api_key=args.api_key or None,
+            api_prefix=args.api_prefix,
+            allowed_origins=tuple(_origins(args.cors_origins) + _origins(args.allowed_origins)),
+            max_message_bytes=args.max_message_bytes,
+            max_session_seconds=min(args.max_session_seconds, MAX_SESSION_SECONDS),
+            session_update_timeout=args.session_update_timeout,
+            idle_timeout=args.idle_timeout,
+        )
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    def loader():
+        from ..loading import load
+
+        return load(model_path)
+
+    engine = RealtimeEngine(loader)
+    try:
+        engine.start()
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    app = create_app(settings, engine)
+    print(
+        f"serving {settings.model_id} at ws://{args.host}:{args.port}{settings.path('/v1/realtime')}",
+        file=sys.stderr,
+    )
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            ws_max_size=settings.max_message_bytes,
+            ws_ping_interval=20.0,
+            ws_ping_timeout=20.0,
+            server_header=False,
+        )
+    finally:
+        engine.stop()
+    return 0

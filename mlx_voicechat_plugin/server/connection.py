@@ -1,0 +1,235 @@
+"""One ``/v1/realtime`` connection (spec "Client messages", "One session at a time").
+
+A reader task turns incoming frames into queue items (so a cancel is seen while a long
+append runs and the idle clock sees every message); the handler processes them in order.
+Appends run one 1280-sample slice per engine call, sending each slice's events before the
+next slice; a cancel takes effect at the next slice boundary. The slot is released after
+``commit`` / ``cancel`` (before the close frame) and when the client disconnects (the
+unflushed session is cancelled first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from . import protocol
+from .engine import RealtimeEngine
+from .protocol import INFERENCE_ERROR, INVALID_REQUEST, SERVER_BUSY, ProtocolError
+from .settings import ServerSettings
+
+logger = logging.getLogger("mlx_voicechat_plugin.server")
+
+CANCEL_TYPES = frozenset({"session.cancel", "response.cancel"})
+CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_AGAIN = 1000, 1008, 1013
+
+
+class _Disconnected(Exception):
+    pass
+
+
+class Connection:
+    """State of one accepted WebSocket."""
+
+    def __init__(self, websocket: WebSocket, engine: RealtimeEngine, settings: ServerSettings):
+        self.websocket = websocket
+        self.engine = engine
+        self.settings = settings
+        self.session_id = protocol.new_session_id()
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.cancel_requested = asyncio.Event()
+        self.connected_at = time.monotonic()
+        self.last_message_at = self.connected_at
+        self.configured = False
+        self.finished = False
+
+    # ------------------------------------------------------------------ sending
+    async def send(self, payload: dict) -> None:
+        text = json.dumps({"event_id": protocol.new_event_id(), **payload}, ensure_ascii=False)
+        try:
+            await self.websocket.send_text(text)
+        except (WebSocketDisconnect, RuntimeError, OSError) as error:
+            raise _Disconnected() from error
+
+    async def send_error(self, code: str, message: str) -> None:
+        await self.send(protocol.error_event(code, message))
+
+    async def close(self, code: int) -> None:
+        try:
+            await self.websocket.close(code=code)
+        except (RuntimeError, OSError, WebSocketDisconnect):
+            pass
+
+    # ------------------------------------------------------------------ reading
+    async def _reader(self) -> None:
+        limit = self.settings.max_message_bytes
+        try:
+            while True:
+                frame = await self.websocket.receive()
+                if frame["type"] == "websocket.disconnect":
+                    break
+                self.last_message_at = time.monotonic()
+                text, data = frame.get("text"), frame.get("bytes")
+                if text is None:
+                    if data is not None and len(data) > limit:
+                        await self.inbox.put(("too_big", None))
+                        break
+                    await self.inbox.put(
+                        ("error", ProtocolError(INVALID_REQUEST, "binary frames are not supported; send JSON text frames"))
+                    )
+                    continue
+                if len(text) > limit or len(text.encode("utf-8")) > limit:
+                    await self.inbox.put(("too_big", None))
+                    break
+                try:
+                    message = protocol.parse_message(text)
+                except ProtocolError as error:
+                    await self.inbox.put(("error", error))
+                    continue
+                if message["type"] in CANCEL_TYPES:
+                    self.cancel_requested.set()
+                await self.inbox.put(("message", message))
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass
+        await self.inbox.put(("disconnect", None))
+
+    def _wait_budget(self) -> tuple[float, str]:
+        now = time.monotonic()
+        if not self.configured:
+            remaining = self.connected_at + self.settings.session_update_timeout - now
+            return remaining, (
+                f"no session.update within {self.settings.session_update_timeout:g} s of connecting"
+            )
+        remaining = self.last_message_at + self.settings.idle_timeout - now
+        return remaining, f"no client message for {self.settings.idle_timeout:g} s; closing the idle session"
+
+    # ------------------------------------------------------------------ main loop
+    async def run(self) -> None:
+        """Serve the connection until commit, cancel, timeout or disconnect."""
+        if not self.engine.try_reserve(self.session_id):
+            try:
+                await self.send_error(SERVER_BUSY, "another realtime session is active; try again later")
+            except _Disconnected:
+                return
+            await self.close(CLOSE_TRY_AGAIN)
+            return
+        reader = asyncio.create_task(self._reader())
+        try:
+            await self.send(protocol.session_created(self.session_id))
+            while not self.finished:
+                remaining, reason = self._wait_budget()
+                try:
+                    kind, value = await asyncio.wait_for(self.inbox.get(), timeout=max(remaining, 0.0))
+                except asyncio.TimeoutError:
+                    if self._wait_budget()[0] > 0:
+                        continue  # a message arrived just now
+                    await self.send_error(INVALID_REQUEST, reason)
+                    await self._end(CLOSE_POLICY)
+                    break
+                if kind == "disconnect":
+                    break
+                if kind == "too_big":
+                    await self._end(1009)
+                    break
+                if kind == "error":
+                    await self.send_error(value.code, value.message)
+                    continue
+                await self._dispatch(value)
+        except _Disconnected:
+            pass
+        finally:
+            reader.cancel()
+            if self.configured and not self.finished:
+                await self.engine.call("close", self.session_id)
+            self.engine.release(self.session_id)
+
+    async def _end(self, code: int) -> None:
+        """Close the session, give the slot back, then send the close frame."""
+        self.finished = True
+        if self.configured:
+            await self.engine.call("close", self.session_id)
+        self.engine.release(self.session_id)
+        await self.close(code)
+
+    async def _dispatch(self, message: dict) -> None:
+        kind = message["type"]
+        if kind == "session.ping":
+            await self.send({"type": "session.pong"})
+            return
+        if not self.configured:
+            if kind != "session.update":
+                await self.send_error(INVALID_REQUEST, "send session.update before audio")
+                return
+            await self._configure(message)
+            return
+        if kind == "session.update":
+            await self.send_error(INVALID_REQUEST, "the session is already configured; session.update is accepted once")
+        elif kind == "input_audio_buffer.append":
+            await self._append(message)
+        elif kind == "input_audio_buffer.commit":
+            await self._commit(message)
+        elif kind in CANCEL_TYPES:
+            await self._cancel()
+        else:
+            await self.send_error(INVALID_REQUEST, f"unknown message type {kind[:64]!r}")
+
+    async def _configure(self, message: dict) -> None:
+        try:
+            config = protocol.parse_session_update(message, self.settings.max_session_seconds)
+        except ProtocolError as error:
+            await self.send_error(error.code, error.message)
+            return
+        reply = await self.engine.call("open", self.session_id, config=config)
+        if reply.error is not None:
+            await self.send_error(reply.error.code, reply.error.message)
+            return
+        self.configured = True
+        await self.send(protocol.session_updated(self.session_id, self.settings.model_id))
+
+    async def _append(self, message: dict) -> None:
+        try:
+            samples = protocol.parse_append(message)
+        except ProtocolError as error:
+            await self.send_error(error.code, error.message)
+            return
+        frame = protocol.FRAME_SAMPLES
+        for start in range(0, samples.shape[0], frame):
+            if self.cancel_requested.is_set():
+                return  # the queued cancel is handled next
+            reply = await self.engine.call("push", self.session_id, samples=samples[start : start + frame])
+            for event in reply.events:
+                await self.send(event)
+            if reply.error is not None:
+                await self.send_error(reply.error.code, reply.error.message)
+                return
+
+    async def _commit(self, message: dict) -> None:
+        try:
+            pad_partial = protocol.parse_commit(message)
+        except ProtocolError as error:
+            await self.send_error(error.code, error.message)
+            return
+        await self.send({"type": "input_audio_buffer.committed"})
+        reply = await self.engine.call("flush", self.session_id, pad_partial=pad_partial)
+        if reply.error is not None:
+            for event in reply.events:
+                await self.send(event)
+            await self.send_error(reply.error.code, reply.error.message)
+            reply = await self.engine.call("flush", self.session_id, pad_partial=False)
+        for event in reply.events:
+            await self.send(event)
+        if reply.error is not None:
+            await self.send_error(INFERENCE_ERROR, reply.error.message)
+        await self._end(CLOSE_NORMAL)
+
+    async def _cancel(self) -> None:
+        reply = await self.engine.call("cancel", self.session_id)
+        for event in reply.events:
+            await self.send(event)
+        if reply.error is not None:
+            await self.send_error(reply.error.code, reply.error.message)
+        await self._end(CLOSE_NORMAL)

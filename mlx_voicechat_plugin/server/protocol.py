@@ -1,0 +1,232 @@
+"""The ``/v1/realtime`` protocol: validation of client messages, construction of events.
+
+Pure functions, no I/O, following the spec tables ("Client messages", "Server events",
+"Error codes"). Every failure is a :class:`ProtocolError` carrying the spec's error code and
+a message fit to show a user.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+INPUT_FORMAT = {"type": "pcm16", "sample_rate": 16000}
+OUTPUT_FORMAT = {"type": "pcm16", "sample_rate": 22050}
+FRAME_SAMPLES = 1280
+
+INVALID_REQUEST = "invalid_request"
+SERVER_BUSY = "server_busy"
+SESSION_INITIALIZATION_FAILED = "session_initialization_failed"
+INFERENCE_ERROR = "inference_error"
+
+CLIENT_TYPES = frozenset(
+    {
+        "session.update",
+        "input_audio_buffer.append",
+        "input_audio_buffer.commit",
+        "session.cancel",
+        "response.cancel",
+        "session.ping",
+    }
+)
+
+
+class ProtocolError(Exception):
+    """A client message the server answers with an ``error`` event."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def new_event_id() -> str:
+    """``event_`` + 16 hex digits."""
+    return "event_" + secrets.token_hex(8)
+
+
+def new_session_id() -> str:
+    """``sess_`` + 16 hex digits."""
+    return "sess_" + secrets.token_hex(8)
+
+
+def error_event(code: str, message: str) -> dict:
+    return {"type": "error", "error": {"code": code, "message": message}}
+
+
+def parse_message(text: str) -> dict:
+    """Decode one text frame into a message object with a string ``type``.
+
+    Raises:
+        ProtocolError(invalid_request): not JSON, not an object, or no string ``type``.
+    """
+    try:
+        message = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ProtocolError(INVALID_REQUEST, "message must be a JSON object") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(INVALID_REQUEST, "message must be a JSON object")
+    kind = message.get("type")
+    if not isinstance(kind, str) or not kind:
+        raise ProtocolError(INVALID_REQUEST, "message must have a string 'type'")
+    return message
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Validated ``session.update`` fields."""
+
+    system_prompt: str | None
+    seed: int
+    max_streaming_seconds: float
+
+
+def parse_session_update(message: dict, max_session_seconds: float) -> SessionConfig:
+    """Validate ``session.update``.
+
+    ``max_streaming_seconds`` larger than the server limit (or absent) is clamped to it.
+
+    Raises:
+        ProtocolError(invalid_request): ``session`` is present but not an object.
+        ProtocolError(session_initialization_failed): an invalid field value.
+    """
+    session = message.get("session", {})
+    if session is None:
+        session = {}
+    if not isinstance(session, dict):
+        raise ProtocolError(INVALID_REQUEST, "session.update: 'session' must be a JSON object")
+
+    def fail(text: str):
+        return ProtocolError(SESSION_INITIALIZATION_FAILED, text)
+
+    prompt = session.get("system_prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise fail("session.system_prompt must be a string")
+    seed = session.get("seed", 0)
+    if seed is None:
+        seed = 0
+    if not _is_integer(seed) or seed < 0 or seed >= 2**64:
+        raise fail("session.seed must be a non-negative integer below 2**64")
+    model = session.get("model")
+    if model is not None and not isinstance(model, str):
+        raise fail("session.model must be a string when given")
+    limit = session.get("max_streaming_seconds")
+    if limit is None:
+        seconds = max_session_seconds
+    else:
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+            raise fail("session.max_streaming_seconds must be a number")
+        if not math.isfinite(limit) or limit <= 0:
+            raise fail("session.max_streaming_seconds must be a positive finite number")
+        seconds = min(float(limit), max_session_seconds)
+    return SessionConfig(system_prompt=prompt, seed=seed, max_streaming_seconds=seconds)
+
+
+def parse_append(message: dict) -> np.ndarray:
+    """Decode ``input_audio_buffer.append`` audio to float32 samples (PCM16 / 32768).
+
+    Raises:
+        ProtocolError(inference_error): ``audio`` is not a base64 string, has an odd byte
+            count, or ``sample_rate`` is not the integer 16000.
+    """
+    rate = message.get("sample_rate", 16000)
+    if not _is_integer(rate):
+        raise ProtocolError(INFERENCE_ERROR, f"sample_rate must be an integer, got {json.dumps(rate)[:40]}")
+    if rate != 16000:
+        raise ProtocolError(
+            INFERENCE_ERROR, f"expected 16000 Hz PCM16, received sample_rate {rate}; resample to 16 kHz"
+        )
+    audio = message.get("audio")
+    if not isinstance(audio, str):
+        raise ProtocolError(INFERENCE_ERROR, "audio must be a base64 string of little-endian PCM16")
+    try:
+        raw = base64.b64decode(audio, validate=True)
+    except (binascii.Error, ValueError):
+        raise ProtocolError(INFERENCE_ERROR, "audio is not valid base64") from None
+    if len(raw) % 2:
+        raise ProtocolError(INFERENCE_ERROR, "PCM16 audio must contain an even number of bytes")
+    return np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+
+
+def parse_commit(message: dict) -> bool:
+    """``input_audio_buffer.commit``: the ``pad_partial`` flag (default true)."""
+    pad = message.get("pad_partial", True)
+    if not isinstance(pad, bool):
+        raise ProtocolError(INVALID_REQUEST, "pad_partial must be true or false")
+    return pad
+
+
+def audio_to_base64(samples: np.ndarray) -> str:
+    """Wire PCM16: ``round(clip(x, -1, 1) * 32767)`` little-endian, base64."""
+    values = np.asarray(samples, dtype=np.float32)
+    pcm = np.round(np.clip(values, -1.0, 1.0) * 32767.0).astype("<i2")
+    return base64.b64encode(pcm.tobytes()).decode("ascii")
+
+
+def serialize_event(event) -> dict:
+    """A session event (``runtime.streaming.events``) as its server event dict."""
+    common = {"frame_index": event.frame_index}
+    kind = event.kind
+    if kind == "assistant_text_delta":
+        return {"type": "response.text.delta", **common, "token_id": event.token_id, "delta": event.delta, "text": event.text}
+    if kind == "function_delta":
+        return {"type": "response.function.delta", **common, "token_id": event.token_id, "delta": event.delta, "text": event.text}
+    if kind == "user_transcript_delta":
+        return {
+            "type": "conversation.item.input_audio_transcription.delta",
+            **common,
+            "delta": event.delta,
+            "transcript": event.text,
+        }
+    if kind == "audio":
+        return {
+            "type": "response.audio.delta",
+            **common,
+            "delta": audio_to_base64(event.samples),
+            "format": "pcm16",
+            "sample_rate": event.sample_rate,
+            "channels": 1,
+            "audio_codes": [int(code) for code in event.audio_codes],
+        }
+    if kind == "done":
+        return {"type": "response.done", **common}
+    if kind == "cancelled":
+        return {"type": "response.cancelled", **common}
+    raise ValueError(f"unsupported event kind {kind!r}")
+
+
+def session_created(session_id: str) -> dict:
+    return {
+        "type": "session.created",
+        "session": {
+            "id": session_id,
+            "state": "configuring",
+            "input_audio_format": dict(INPUT_FORMAT),
+            "output_audio_format": dict(OUTPUT_FORMAT),
+        },
+    }
+
+
+def session_updated(session_id: str, model_id: str) -> dict:
+    return {
+        "type": "session.updated",
+        "session": {
+            "id": session_id,
+            "state": "ready",
+            "model": model_id,
+            "frame_samples": FRAME_SAMPLES,
+            "input_audio_format": dict(INPUT_FORMAT),
+            "output_audio_format": dict(OUTPUT_FORMAT),
+        },
+    }

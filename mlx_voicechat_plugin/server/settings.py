@@ -1,0 +1,61 @@
+"""Server settings: limits (spec "One session at a time") and access policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Largest WebSocket message or frame accepted (bytes): about 24 s of base64 PCM16.
+MAX_MESSAGE_BYTES = 1024 * 1024
+#: A session lasts at most this much audio; larger ``max_streaming_seconds`` are clamped.
+MAX_SESSION_SECONDS = 600.0
+#: A connection must send ``session.update`` within this many seconds of connecting.
+SESSION_UPDATE_TIMEOUT = 30.0
+#: A configured session with no client message for this long is closed (1008).
+IDLE_TIMEOUT = 120.0
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything the app needs besides the engine.
+
+    Attributes:
+        model_id: the served id reported in ``session.updated`` (``--alias`` or the
+            checkpoint directory name).
+        api_key: required as ``Authorization: Bearer <key>`` on the upgrade (or, for
+            browsers, the ``mlx-voicechat.bearer.<base64url key>`` subprotocol); None
+            disables authentication.
+        api_prefix: prefix of every route (``""`` or ``/something``).
+        allowed_origins: browser origins allowed to open the WebSocket (``*`` allows any);
+            requests without an Origin header (non-browser clients) and same-origin pages
+            are always allowed.
+        max_message_bytes, max_session_seconds, session_update_timeout, idle_timeout:
+            the limits above (configurable so tests need not wait minutes).
+    """
+
+    model_id: str
+    api_key: str | None = None
+    api_prefix: str = ""
+    allowed_origins: tuple[str, ...] = field(default_factory=tuple)
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_session_seconds: float = MAX_SESSION_SECONDS
+    session_update_timeout: float = SESSION_UPDATE_TIMEOUT
+    idle_timeout: float = IDLE_TIMEOUT
+
+    def __post_init__(self):
+        prefix = self.api_prefix.strip()
+        if prefix in ("", "/"):
+            prefix = ""
+        else:
+            prefix = "/" + prefix.strip("/")
+        object.__setattr__(self, "api_prefix", prefix)
+        origins = tuple(origin.strip().rstrip("/") for origin in self.allowed_origins if origin.strip())
+        object.__setattr__(self, "allowed_origins", origins)
+        for name in ("max_session_seconds", "session_update_timeout", "idle_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        if self.max_message_bytes < 1024:
+            raise ValueError("max_message_bytes must be at least 1024")
+
+    def path(self, route: str) -> str:
+        """``route`` under the API prefix."""
+        return f"{self.api_prefix}{route}"
