@@ -406,6 +406,9 @@ def test_missing_audio_refuses_with_offline_command(tiny, tmp_path):
 
 
 def test_mlx_vlm_generate_hook_without_audio_refuses(tiny, monkeypatch):
+    from mlx_voicechat_plugin.registration.shim import install
+
+    install(force=True)  # what the .pth does at start-up (idempotent)
     dispatch = importlib.import_module("mlx_vlm.generate.dispatch")
     monkeypatch.setattr(sys, "argv", ["mlx_vlm.generate", "--model", str(tiny),
                                       "--prompt", "hello"])

@@ -189,7 +189,7 @@ def _run(args) -> int:
             waveform,
             system_prompt=system_prompt,
             extra_decoding_seconds=0.0,  # already appended by prepare_waveform
-            seed=0,
+            seed=args.seed,
             use_language_cache=not args.no_language_cache,
             progress=progress,
         )

@@ -7,6 +7,8 @@ Differences from upstream ``mlx_vlm.models.nemotron_voicechat.Model`` (and why):
   message instead of a shape error mid-turn;
 * ``load_weights`` pins f32-only weights to f32 (:mod:`.pinning`), exact and faster on every
   frame; the memory cost is kept in :attr:`Model.pinning`;
+* the codec's iSTFT normalisation cache is keyed on shapes (:mod:`.codec`), removing a
+  device round trip per decoded frame;
 * ``create_session`` returns :class:`~mlx_voicechat_plugin.runtime.offline.OfflineSession`
   (cached O(T) loop by default, input validation, progress), and the tokenizer is loaded
   from the checkpoint when the caller has none.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from mlx_vlm.models.nemotron_voicechat.model import Model as UpstreamModel
 
+from .codec import ShapeKeyedISTFTCache
 from .pinning import PinningReport, pin_f32_weights, pinning_enabled
 from .validation import validate_config
 
@@ -36,6 +39,7 @@ class Model(UpstreamModel):
     def __init__(self, config):
         validate_config(config)
         super().__init__(config)
+        self.tts_model.audio_codec._istft_cache = ShapeKeyedISTFTCache()
         self.pinning: PinningReport | None = None
         self._tokenizer = None
 

@@ -311,25 +311,43 @@ class StreamingSession:
         projected, encoded = self._perceive(frame, clock)
         clock.stage("perception", projected, encoded, *self._conformer_arrays())
 
-        update = self._transcript.step(encoded, clock)
-        if update is not None:
-            events.append(UserTranscriptDelta(self._frame_index, update[0], update[1]))
-        clock.stage("rnnt", *self._transcript.state_arrays())
+        readback = []
+        if self._transcript.enabled:
+            symbols = self._transcript.schedule(encoded)
+            clock.stage("rnnt", symbols)
+            readback.append(symbols)
 
         output = self._language.step(self._fuse(projected))
         clock.mark("language.llm", output.text_logits)
-        ids = mx.stack([mx.argmax(output.text_logits[0, -1]), mx.argmax(output.function_logits[0, -1])])
-        text_id, function_id = ids.tolist()
+        ids = mx.concatenate(
+            [
+                mx.argmax(output.text_logits[0, -1], keepdims=True).astype(mx.int32),
+                mx.argmax(output.function_logits[0, -1], keepdims=True).astype(mx.int32),
+                *readback,
+            ]
+        )
+        clock.stage("language", ids)
+        values = ids.tolist()  # the frame's first host round trip: ids and RNNT symbols
         clock.sync()
+        text_id, function_id = values[0], values[1]
         self._previous_ids = (text_id, function_id)
-        clock.stage("language", *self._language.state_arrays())
+        update = self._transcript.commit(values[2:]) if self._transcript.enabled else None
+        if update is not None:
+            events.append(UserTranscriptDelta(self._frame_index, update[0], update[1]))
 
         code = self._speech.step(text_id, first=self._timeline_index == 0)
         self._timeline_index += 1
         clock.stage("tts", code)
 
         clean, samples = self._speech.decode(code)
-        mx.eval(samples, clean, *self._conformer_arrays(), *self._language.state_arrays(), *self._speech.state_arrays())
+        mx.eval(
+            samples,
+            clean,
+            *self._conformer_arrays(),
+            *self._language.state_arrays(),
+            *self._speech.state_arrays(),
+            *self._transcript.state_arrays(),
+        )  # the frame's second host round trip
         clock.sync()
         clock.stage("codec")
         expected = self.model.tts_model.audio_codec.waveform_to_token_ratio

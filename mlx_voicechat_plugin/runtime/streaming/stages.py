@@ -70,8 +70,13 @@ class MelFrontend:
 class TranscriptState:
     """Greedy RNNT decoding state (last emitted token, LSTM state, transcript).
 
-    Mirrors upstream ``streaming._RNNTState``: per encoder frame, emit symbols until blank
-    or ``max_symbols``; each symbol is one host readback.
+    Same decisions as upstream ``streaming._RNNTState`` (per encoder frame, emit symbols
+    until blank or ``max_symbols``), but the symbol loop is unrolled on the device:
+    :meth:`schedule` builds all ``max_symbols`` decode steps lazily, masked after the
+    first blank, and the caller reads the symbols back together with the LLM's ids, so
+    a frame costs no extra host round trip however many symbols it emits. Each unrolled
+    step makes exactly the upstream calls (``decoder(token, hidden)`` then ``joint``), so
+    the symbols are identical.
     """
 
     def __init__(self, model):
@@ -83,36 +88,63 @@ class TranscriptState:
         self.hidden = None
         self.tokens: list[int] = []
         self.text = ""
+        self._scheduled = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.model.config.rnnt_vocabulary)
 
     def state_arrays(self) -> list[mx.array]:
         return list(self.hidden) if self.hidden is not None else []
 
-    def step(self, encoded: mx.array, clock) -> tuple[str, str] | None:
-        """Consume one ``(1, 1, d)`` encoder frame; return ``(delta, text)`` on change."""
+    def schedule(self, encoded: mx.array) -> mx.array:
+        """Lazily decode one ``(1, 1, d)`` encoder frame.
+
+        Returns:
+            ``(max_symbols,)`` int32: the emitted symbols in order, then -1.
+        """
         config = self.model.config
-        vocabulary = config.rnnt_vocabulary
-        if not vocabulary:
-            return None
         decoder = self.model.stt_model.rnnt_decoder
         joint = self.model.stt_model.rnnt_joint
         blank = config.rnnt_blank_id
+        steps = config.audio_config.max_symbols
+
+        token = mx.array([[self.last_token]], dtype=mx.int32) if self.last_token != blank else None
+        prediction, proposed = decoder(token, self.hidden)
+        symbol = mx.argmax(joint(encoded, prediction.astype(encoded.dtype))).astype(mx.int32)
+        active = symbol != blank
+        last = symbol
+        hidden = tuple(value.astype(encoded.dtype) for value in proposed)
+        if self.hidden is not None:
+            hidden = tuple(mx.where(active, new, old) for new, old in zip(hidden, self.hidden))
+        symbols = [mx.where(active, symbol, -1)]
+        for _ in range(1, steps):
+            # While active, the previous step emitted a non-blank symbol: feed it back.
+            prediction, proposed = decoder(last.reshape(1, 1), hidden)
+            symbol = mx.argmax(joint(encoded, prediction.astype(encoded.dtype))).astype(mx.int32)
+            emit = active & (symbol != blank)
+            last = mx.where(emit, symbol, last)
+            hidden = tuple(mx.where(emit, new.astype(encoded.dtype), old) for new, old in zip(proposed, hidden))
+            symbols.append(mx.where(emit, symbol, -1))
+            active = emit
+        self._scheduled = hidden
+        return mx.stack(symbols)
+
+    def commit(self, symbols: list[int]) -> tuple[str, str] | None:
+        """Apply the read-back symbols of :meth:`schedule`; return ``(delta, text)`` on change."""
+        vocabulary = self.model.config.rnnt_vocabulary
+        emitted = []
+        for symbol in symbols:
+            if symbol < 0:
+                break
+            emitted.append(symbol)
+        scheduled, self._scheduled = self._scheduled, None
+        if not emitted:
+            return None
+        self.last_token = emitted[-1]
+        self.hidden = scheduled
         previous = len(self.tokens)
-        emitted = 0
-        while True:
-            token = mx.array([[self.last_token]], dtype=mx.int32) if self.last_token != blank else None
-            prediction, proposed = decoder(token, self.hidden)
-            logits = joint(encoded, prediction.astype(encoded.dtype))
-            next_token = int(mx.argmax(logits))
-            clock.sync()
-            if next_token == blank:
-                break
-            self.last_token = next_token
-            self.hidden = tuple(value.astype(encoded.dtype) for value in proposed)
-            if not rnnt_tokenizer.is_special_token(next_token, vocabulary):
-                self.tokens.append(next_token)
-            emitted += 1
-            if emitted >= config.audio_config.max_symbols:
-                break
+        self.tokens.extend(s for s in emitted if not rnnt_tokenizer.is_special_token(s, vocabulary))
         if len(self.tokens) == previous:
             return None
         updated = rnnt_tokenizer.decode(self.tokens, vocabulary).strip()
