@@ -13,7 +13,11 @@ from pathlib import Path
 
 import pytest
 
-PATCH = Path(__file__).resolve().parents[1] / "patches" / "0001-mlx-vlm-entry-point-model-discovery.patch"
+PATCH = (
+    Path(__file__).resolve().parents[1]
+    / "patches"
+    / "0001-mlx-vlm-entry-point-model-discovery.patch"
+)
 OUR_MODEL = "mlx_voicechat_plugin.model.model.Model"
 UPSTREAM_MODEL = "mlx_vlm.models.nemotron_voicechat.model.Model"
 

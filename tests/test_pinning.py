@@ -114,9 +114,7 @@ def test_pinned_values_equal_stored_values(pinned_and_unpinned):
 def test_offline_turn_is_bit_identical_pinned_and_unpinned(pinned_and_unpinned, speech_16k):
     pinned, unpinned, tokenizer = pinned_and_unpinned
     a = pinned.create_session(tokenizer).generate(speech_16k, extra_decoding_seconds=0.5, seed=0)
-    b = unpinned.create_session(tokenizer).generate(
-        speech_16k, extra_decoding_seconds=0.5, seed=0
-    )
+    b = unpinned.create_session(tokenizer).generate(speech_16k, extra_decoding_seconds=0.5, seed=0)
     assert a.audio.dtype == np.float32 and a.audio.size > 0
     assert np.array_equal(a.audio, b.audio)
     assert np.array_equal(a.audio_codes, b.audio_codes)

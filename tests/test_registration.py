@@ -44,9 +44,7 @@ def test_interpreter_start_installs_shim_without_importing_mlx():
 
 
 def test_disable_env_keeps_shim_out_of_meta_path():
-    out = _python(
-        "import sys; print([type(f).__name__ for f in sys.meta_path])", disable_shim=True
-    )
+    out = _python("import sys; print([type(f).__name__ for f in sys.meta_path])", disable_shim=True)
     assert "PostImportFinder" not in out
 
 

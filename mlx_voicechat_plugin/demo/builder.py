@@ -71,6 +71,7 @@ def build_checkpoint(
         model = Model(ModelConfig.from_dict(config))
         weights.randomize(model, vocabulary, config)
         weights.cast_for_storage(model)
+        weights.set_codec_silence(model)
         if bits is not None:
             weights.quantize_llm(model, bits)
             quantization = {"group_size": 64, "bits": bits, "mode": "affine"}

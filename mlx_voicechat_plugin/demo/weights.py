@@ -64,6 +64,8 @@ def _normal(shape, scale: float) -> mx.array:
 def randomize(model, vocabulary: dict[str, int], config: dict) -> None:
     """Fill the buffers MLX leaves at zero/one with realistic random values, in place.
 
+    The codec's silence codes are set afterwards by :func:`set_codec_silence`.
+
     Args:
         model: an upstream ``Model`` freshly built from ``config`` (default MLX init).
         vocabulary: the text tokenizer's ``get_vocab()``.
@@ -139,7 +141,6 @@ def randomize(model, vocabulary: dict[str, int], config: dict) -> None:
 
     _calibrate_rnnt_blank(model, config)
     _shape_codec_loudness(model)
-    _set_codec_silence(model)
 
 
 def _calibrate_rnnt_blank(model, config: dict) -> None:
@@ -167,8 +168,9 @@ def _shape_codec_loudness(model) -> None:
     loud as random codes. Like a trained codec, the demo codec now encodes digital silence
     to a fixed latent ``SILENCE_LATENT_NORM * u`` (bias of the encoder's last ConvNeXt
     block), and its decoder carries ``<latent, u>`` on channel 0 of every stage (untouched
-    by the ConvNeXt branches) into all magnitude logits with gain ``-LOUDNESS_GAIN``, so the
-    silence codes decode to about -100 dB while random codes stay audible. Deterministic:
+    by the ConvNeXt branches) into all magnitude logits with gain ``-LOUDNESS_GAIN`` (the
+    other magnitude-logit weights are halved to keep speech mostly below clipping), so the
+    silence codes decode to below -100 dBFS while random codes stay audible. Deterministic:
     no random numbers are drawn, so every other weight is unchanged.
     """
     codec = model.tts_model.audio_codec
@@ -206,8 +208,12 @@ def _shape_codec_loudness(model) -> None:
     decoder[-1].weight = mx.array(head)
 
 
-def _set_codec_silence(model) -> None:
-    """Set ``codec_silence_tokens`` to the codec's own encoding of digital silence."""
+def set_codec_silence(model) -> None:
+    """Set ``codec_silence_tokens`` to the codec's own encoding of digital silence.
+
+    Call it after :func:`cast_for_storage`: the runtime encodes silence (EAR-TTS warm-up)
+    with the stored bf16 codec, and f32 weights can pick different codes near ties.
+    """
     codec = model.tts_model.audio_codec
     frames = 6
     codes = codec.encode(mx.zeros((1, 1, frames * codec.waveform_to_token_ratio)))
