@@ -1,4 +1,14 @@
-"""Codec helpers that remove a per-frame host round trip from upstream's iSTFT.
+"""Codec speed-ups that leave every output bit unchanged.
+
+:class:`PointwiseConv1d`: the ConvNeXt blocks' kernel-1 convolutions as one ``addmm``.
+
+:class:`PatchConvTranspose1d`: the decoder's upsampling layers are transposed convolutions
+whose stride equals their kernel, so windows never overlap and each is one matrix product
+``(T, C_in) @ (C_in, K * C_out)`` reshaped to ``(T * K, C_out)``. MLX's CPU transposed
+convolution computes the same sums about five times slower; the products and their
+accumulation order over input channels are the same, so outputs are bit-identical (tests
+compare them).
+
 
 Upstream ``NemotronVoiceChatCodec.decode_latents`` builds a fresh (lazy) Hann window on
 every call and ``mlx_audio.dsp.ISTFTCache.get_norm_buffer`` keys its cache on
@@ -11,6 +21,8 @@ identical.
 
 from __future__ import annotations
 
+import mlx.core as mx
+import mlx.nn as nn
 from mlx_audio.dsp import ISTFTCache
 
 
@@ -24,8 +36,6 @@ class ShapeKeyedISTFTCache(ISTFTCache):
         key = (n_fft, hop_length, win_length, num_frames)
         cached = self.norm_buffer_cache.get(key)
         if cached is None:
-            import mlx.core as mx
-
             frame_length = window.shape[0]
             ola_len = (num_frames - 1) * hop_length + frame_length
             positions = self.get_positions(num_frames, frame_length, hop_length)
@@ -34,3 +44,56 @@ class ShapeKeyedISTFTCache(ISTFTCache):
             cached = mx.maximum(norm, 1e-10)
             self.norm_buffer_cache[key] = cached
         return cached
+
+
+
+class PatchConvTranspose1d(nn.ConvTranspose1d):
+    """``nn.ConvTranspose1d`` with ``stride == kernel_size`` (no overlap, no padding) as a matmul.
+
+    Input ``(B, T, C_in)`` -> output ``(B, T * K, C_out)``; same parameters (``weight``
+    ``(C_out, K, C_in)``) and results as the parent class.
+    """
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out_channels, kernel, in_channels = self.weight.shape
+        batch, length, _ = x.shape
+        matrix = self.weight.transpose(2, 1, 0).reshape(in_channels, kernel * out_channels)
+        y = (x.reshape(batch * length, in_channels) @ matrix).reshape(batch, length * kernel, out_channels)
+        if "bias" in self:
+            y = y + self.bias
+        return y
+
+
+class PointwiseConv1d(nn.Conv1d):
+    """``nn.Conv1d`` with kernel 1 as one ``addmm`` (same BLAS product, bit-identical)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        batch, length, channels = x.shape
+        matrix = self.weight[:, 0, :].T
+        flat = x.reshape(batch * length, channels)
+        y = mx.addmm(self.bias, flat, matrix) if "bias" in self else flat @ matrix
+        return y.reshape(batch, length, -1)
+
+
+def _pointwise(conv: nn.Conv1d) -> PointwiseConv1d:
+    out_channels, _, in_channels = conv.weight.shape
+    return PointwiseConv1d(in_channels, out_channels, 1, bias="bias" in conv)
+
+
+def install_patch_upsampling(decoder) -> int:
+    """Swap the decoder's non-overlapping ``ConvTranspose1d`` layers and the ConvNeXt blocks'
+    pointwise convolutions for their matmul forms; returns how many modules changed."""
+    replaced = 0
+    for index, layer in enumerate(decoder.layers):
+        if type(layer) is nn.ConvTranspose1d and layer.stride == layer.weight.shape[1] and layer.padding == 0:
+            out_channels, kernel, in_channels = layer.weight.shape
+            patch = PatchConvTranspose1d(
+                in_channels, out_channels, kernel, stride=kernel, bias="bias" in layer
+            )
+            decoder.layers[index] = patch
+            replaced += 1
+        elif hasattr(layer, "pwconv1"):
+            layer.pwconv1 = _pointwise(layer.pwconv1)
+            layer.pwconv2 = _pointwise(layer.pwconv2)
+            replaced += 2
+    return replaced

@@ -7,8 +7,10 @@ Differences from upstream ``mlx_vlm.models.nemotron_voicechat.Model`` (and why):
   message instead of a shape error mid-turn;
 * ``load_weights`` pins f32-only weights to f32 (:mod:`.pinning`), exact and faster on every
   frame; the memory cost is kept in :attr:`Model.pinning`;
-* the codec's iSTFT normalisation cache is keyed on shapes (:mod:`.codec`), removing a
-  device round trip per decoded frame;
+* bit-identical speed-ups (each proven by tests against upstream): the codec's iSTFT
+  normalisation cache is keyed on shapes and its non-overlapping upsampling runs as a
+  matmul (:mod:`.codec`), the encoder's steady-state positional projection is memoised
+  (:mod:`.encoder`), and EAR-TTS caches its codebook tables (:mod:`.tts`);
 * ``create_session`` returns :class:`~mlx_voicechat_plugin.runtime.offline.OfflineSession`
   (cached O(T) loop by default, input validation, progress), and the tokenizer is loaded
   from the checkpoint when the caller has none.
@@ -21,8 +23,10 @@ from __future__ import annotations
 
 from mlx_vlm.models.nemotron_voicechat.model import Model as UpstreamModel
 
-from .codec import ShapeKeyedISTFTCache
+from .codec import ShapeKeyedISTFTCache, install_patch_upsampling
+from .encoder import install_position_cache
 from .pinning import PinningReport, pin_f32_weights, pinning_enabled
+from .tts import FastRVQEARTTSModel
 from .validation import validate_config
 
 
@@ -39,7 +43,13 @@ class Model(UpstreamModel):
     def __init__(self, config):
         validate_config(config)
         super().__init__(config)
-        self.tts_model.audio_codec._istft_cache = ShapeKeyedISTFTCache()
+        # Same module tree and parameter names; faster, bit-identical computations.
+        self.tts_model.tts_model = FastRVQEARTTSModel(config.tts_config)
+        codec = self.tts_model.audio_codec
+        codec._istft_cache = ShapeKeyedISTFTCache()
+        install_patch_upsampling(codec.decoder)
+        left_context = config.audio_config.encoder.att_context_size[0][0]
+        self._position_caches = install_position_cache(self.stt_model.perception.encoder, left_context)
         self.pinning: PinningReport | None = None
         self._tokenizer = None
 
@@ -51,7 +61,14 @@ class Model(UpstreamModel):
         result = super().load_weights(file_or_weights, strict=strict)
         if pinning_enabled():
             self.pinning = pin_f32_weights(self)
+        self.clear_caches()
         return result
+
+    def clear_caches(self) -> None:
+        """Drop tables derived from weights (call after changing parameters by hand)."""
+        self.tts_model.tts_model.clear_tables()
+        for projection in self._position_caches:
+            projection.clear_memo()
 
     @property
     def tokenizer(self):

@@ -331,18 +331,18 @@ class StreamingSession:
         clock.sync()
         text_id, function_id = values[0], values[1]
         self._previous_ids = (text_id, function_id)
-        update = self._transcript.commit(values[2:]) if self._transcript.enabled else None
-        if update is not None:
-            events.append(UserTranscriptDelta(self._frame_index, update[0], update[1]))
+        rest = self._transcript.schedule_rest(values[2]) if self._transcript.enabled else None
 
         code = self._speech.step(text_id, first=self._timeline_index == 0)
         self._timeline_index += 1
         clock.stage("tts", code)
 
         clean, samples = self._speech.decode(code)
+        extra = [rest] if rest is not None else []
         mx.eval(
             samples,
             clean,
+            *extra,
             *self._conformer_arrays(),
             *self._language.state_arrays(),
             *self._speech.state_arrays(),
@@ -350,6 +350,11 @@ class StreamingSession:
         )  # the frame's second host round trip
         clock.sync()
         clock.stage("codec")
+        if self._transcript.enabled:
+            symbols = values[2:] + (rest.tolist() if rest is not None else [])
+            update = self._transcript.commit(symbols)
+            if update is not None:
+                events.append(UserTranscriptDelta(self._frame_index, update[0], update[1]))
         expected = self.model.tts_model.audio_codec.waveform_to_token_ratio
         if samples.shape[0] != expected:
             raise RuntimeError(f"streaming codec returned {samples.shape[0]} samples, expected {expected}")

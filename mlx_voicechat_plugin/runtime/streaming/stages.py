@@ -71,12 +71,11 @@ class TranscriptState:
     """Greedy RNNT decoding state (last emitted token, LSTM state, transcript).
 
     Same decisions as upstream ``streaming._RNNTState`` (per encoder frame, emit symbols
-    until blank or ``max_symbols``), but the symbol loop is unrolled on the device:
-    :meth:`schedule` builds all ``max_symbols`` decode steps lazily, masked after the
-    first blank, and the caller reads the symbols back together with the LLM's ids, so
-    a frame costs no extra host round trip however many symbols it emits. Each unrolled
-    step makes exactly the upstream calls (``decoder(token, hidden)`` then ``joint``), so
-    the symbols are identical.
+    until blank or ``max_symbols``) without a host round trip per symbol: the first step
+    (:meth:`schedule`) is read back together with the LLM's ids; only when it is not
+    blank are the remaining steps built (:meth:`schedule_rest`), masked after the first
+    blank, and evaluated with the frame's outputs. Each step makes exactly the upstream
+    calls (``decoder(token, hidden)`` then ``joint``), so the symbols are identical.
     """
 
     def __init__(self, model):
@@ -89,46 +88,63 @@ class TranscriptState:
         self.tokens: list[int] = []
         self.text = ""
         self._scheduled = None
+        self._encoded = None
 
     @property
     def enabled(self) -> bool:
         return bool(self.model.config.rnnt_vocabulary)
 
     def state_arrays(self) -> list[mx.array]:
-        return list(self.hidden) if self.hidden is not None else []
+        arrays = list(self.hidden) if self.hidden is not None else []
+        return arrays + list(self._scheduled or ())
 
     def schedule(self, encoded: mx.array) -> mx.array:
-        """Lazily decode one ``(1, 1, d)`` encoder frame.
+        """Lazily run the first decode step of one ``(1, 1, d)`` encoder frame.
 
         Returns:
-            ``(max_symbols,)`` int32: the emitted symbols in order, then -1.
+            ``(1,)`` int32: the first symbol, or -1 for blank.
+        """
+        blank = self.model.config.rnnt_blank_id
+        self._encoded = encoded
+        token = mx.array([[self.last_token]], dtype=mx.int32) if self.last_token != blank else None
+        symbol, hidden = self._decode(token, self.hidden, encoded)
+        self._scheduled = hidden
+        return mx.where(symbol != blank, symbol, -1).reshape(1)
+
+    def schedule_rest(self, first: int) -> mx.array | None:
+        """After a non-blank first symbol, lazily run the remaining ``max_symbols - 1`` steps.
+
+        The steps are masked after the first blank, so the caller evaluates them together
+        with the frame's other outputs: no extra host round trip.
+
+        Returns:
+            ``(max_symbols - 1,)`` int32 symbols then -1, or None when ``first`` was blank.
         """
         config = self.model.config
-        decoder = self.model.stt_model.rnnt_decoder
-        joint = self.model.stt_model.rnnt_joint
         blank = config.rnnt_blank_id
         steps = config.audio_config.max_symbols
-
-        token = mx.array([[self.last_token]], dtype=mx.int32) if self.last_token != blank else None
-        prediction, proposed = decoder(token, self.hidden)
-        symbol = mx.argmax(joint(encoded, prediction.astype(encoded.dtype))).astype(mx.int32)
-        active = symbol != blank
-        last = symbol
-        hidden = tuple(value.astype(encoded.dtype) for value in proposed)
-        if self.hidden is not None:
-            hidden = tuple(mx.where(active, new, old) for new, old in zip(hidden, self.hidden))
-        symbols = [mx.where(active, symbol, -1)]
+        if first < 0 or steps < 2:
+            return None
+        encoded, hidden = self._encoded, self._scheduled
+        last = mx.array([[first]], dtype=mx.int32)
+        active = mx.array(True)
+        symbols = []
         for _ in range(1, steps):
-            # While active, the previous step emitted a non-blank symbol: feed it back.
-            prediction, proposed = decoder(last.reshape(1, 1), hidden)
-            symbol = mx.argmax(joint(encoded, prediction.astype(encoded.dtype))).astype(mx.int32)
+            symbol, proposed = self._decode(last, hidden, encoded)
             emit = active & (symbol != blank)
             last = mx.where(emit, symbol, last)
-            hidden = tuple(mx.where(emit, new.astype(encoded.dtype), old) for new, old in zip(proposed, hidden))
+            hidden = tuple(mx.where(emit, new, old) for new, old in zip(proposed, hidden))
             symbols.append(mx.where(emit, symbol, -1))
             active = emit
         self._scheduled = hidden
-        return mx.stack(symbols)
+        return mx.stack(symbols).reshape(-1)
+
+    def _decode(self, token, hidden, encoded):
+        """One upstream decode step: ``decoder(token, hidden)`` then the joint's argmax."""
+        prediction, proposed = self.model.stt_model.rnnt_decoder(token, hidden)
+        logits = self.model.stt_model.rnnt_joint(encoded, prediction.astype(encoded.dtype))
+        symbol = mx.argmax(logits).astype(mx.int32)
+        return symbol, tuple(value.astype(encoded.dtype) for value in proposed)
 
     def commit(self, symbols: list[int]) -> tuple[str, str] | None:
         """Apply the read-back symbols of :meth:`schedule`; return ``(delta, text)`` on change."""
