@@ -1,0 +1,123 @@
+"""``python -m mlx_voicechat_plugin.bench``: ours vs upstream in one process, same weights.
+
+Example (the committed ``docs/performance.md`` run)::
+
+    python -m mlx_voicechat_plugin.bench --presets small medium --bits bf16 4 \\
+        --repeats 3 --json artifacts/bench.json --markdown docs/performance.md \\
+        --plot docs/stage_times.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlx_voicechat_plugin.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["small", "medium"])
+    parser.add_argument("--bits", nargs="+", default=["bf16", "4"], help="bf16 and/or 4 / 8")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--extra-seconds", type=float, default=3.0, help="silence after the question")
+    parser.add_argument("--offline-preset", default="medium")
+    parser.add_argument("--offline-seconds", nargs="*", type=float, default=[4.0, 16.0, 60.0])
+    parser.add_argument("--recompute-limit", type=float, default=16.0,
+                        help="longest input for upstream's O(T^2) default (seconds)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+    import mlx_vlm
+
+    from ..demo import default_checkpoint
+    from ..loading import load
+    from ..registration.hooks import upstream_models
+    from ..runtime.audio_io import read_audio
+    from . import floor, machine, offline, report, streaming
+
+    speech_path = Path(__file__).resolve().parents[2] / "tests" / "data" / "question.wav"
+    speech = read_audio(speech_path) if speech_path.exists() else np.zeros(16000 * 2, np.float32)
+    samples = np.concatenate([speech, np.zeros(int(args.extra_seconds * 16000), np.float32)])
+    results: dict = {"machine": machine.describe(), "streaming": {}, "floors": {}, "memory": {}}
+    bandwidth = floor.matvec_bandwidth()
+    results["matvec_bandwidth_gbps"] = bandwidth / 1e9
+
+    def load_pair(preset, bits):
+        path = default_checkpoint(preset, None if bits == "bf16" else int(bits))
+        before = machine.peak_rss_mib()
+        ours, tokenizer = load(path)
+        after_ours = machine.peak_rss_mib()
+        with upstream_models():
+            upstream, processor = mlx_vlm.load(str(path))
+        return ours, tokenizer, upstream, processor, after_ours - before
+
+    for preset in args.presets:
+        for bits in args.bits:
+            name = f"{preset}-{bits if bits == 'bf16' else bits + 'bit'}"
+            print(f"[bench] streaming {name} ...", file=sys.stderr)
+            ours, tokenizer, upstream, processor, rss = load_pair(preset, bits)
+            results["streaming"][name] = streaming.run(ours, tokenizer, upstream, processor, samples, args.repeats)
+            per_stage = floor.frame_weight_bytes(ours)
+            total = sum(per_stage.values())
+            results["floors"][name] = {
+                "weight_bytes_per_frame": total,
+                "per_stage_bytes": per_stage,
+                "floor_ms": total / bandwidth * 1000.0,
+            }
+            results["memory"][name] = {
+                "pinning_extra_mib": (ours.pinning.extra_bytes / 2**20) if ours.pinning else 0.0,
+                "load_rss_growth_mib": rss,
+                "peak_rss_mib": machine.peak_rss_mib(),
+            }
+            del ours, upstream
+
+    if args.offline_seconds:
+        print(f"[bench] offline {args.offline_preset} ...", file=sys.stderr)
+        ours, tokenizer, upstream, processor, _ = load_pair(args.offline_preset, "bf16")
+        rows = offline.run(ours, tokenizer, upstream, processor, speech, args.offline_seconds, args.recompute_limit)
+        results["offline"] = {"preset": args.offline_preset, "rows": rows}
+
+    summary = report.summary_table(results["streaming"], results["floors"])
+    stages = report.streaming_table(results["streaming"])
+    offline_text = report.offline_table(results["offline"]["rows"]) if "offline" in results else ""
+    print(summary)
+    print()
+    print(stages)
+    if offline_text:
+        print()
+        print(offline_text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot and report.plot(results["streaming"], args.plot):
+        print(f"[bench] plot written to {args.plot}", file=sys.stderr)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        m = results["machine"]
+        memory = "\n".join(
+            f"| {name} | {row['pinning_extra_mib']:.1f} | {row['load_rss_growth_mib']:.0f} | {row['peak_rss_mib']:.0f} |"
+            for name, row in results["memory"].items()
+        )
+        args.markdown.write_text(
+            "# Measured results\n\n"
+            f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['platform']}, "
+            f"Python {m['python']}, MLX {m['mlx']} ({m['device']}). Matrix-vector bandwidth "
+            f"{results['matvec_bandwidth_gbps']:.2f} GB/s.\n\n"
+            "## Streaming (per 80 ms frame, 5 cold frames dropped, runs interleaved)\n\n"
+            f"{summary}\n\n{stages}\n\n"
+            + (f"## Offline turn\n\n{offline_text}\n\n" if offline_text else "")
+            + "## Memory\n\n| checkpoint | f32 pinning extra MiB | RSS growth at load MiB | peak RSS MiB |\n"
+            "|---|---:|---:|---:|\n" + memory + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

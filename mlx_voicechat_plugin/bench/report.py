@@ -1,0 +1,95 @@
+"""Rendering benchmark results: console table, Markdown, PNG plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+STAGES = ("perception", "rnnt", "language", "tts", "codec", "total")
+
+
+def streaming_table(results: dict) -> str:
+    lines = [
+        "| checkpoint | stage | ours p50 ms | ours mean ms | upstream p50 ms | upstream mean ms | ours / upstream (mean) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in results.items():
+        for stage in STAGES:
+            ours, up = row["ours"][stage], row["upstream"][stage]
+            ratio = ours["mean_ms"] / up["mean_ms"] if up["mean_ms"] else float("nan")
+            lines.append(
+                f"| {name} | {stage} | {ours['p50_ms']:.1f} | {ours['mean_ms']:.1f} | {up['p50_ms']:.1f} | "
+                f"{up['mean_ms']:.1f} | {ratio:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def summary_table(results: dict, floors: dict) -> str:
+    lines = [
+        "| checkpoint | frames x runs | ours RTF | upstream RTF | speed-up | host syncs/frame (ours, mean / max) | events identical | floor ms | ours / floor |",
+        "|---|---|---:|---:|---:|---|---|---:|---:|",
+    ]
+    for name, row in results.items():
+        floor = floors.get(name, {})
+        floor_ms = floor.get("floor_ms", float("nan"))
+        lines.append(
+            f"| {name} | {row['frames_per_run']} x {row['repeats']} | {row['ours_realtime_factor']:.2f} | "
+            f"{row['upstream_realtime_factor']:.2f} | {row['speedup_mean']:.2f}x | "
+            f"{row['ours_host_syncs']['mean']:.1f} / {row['ours_host_syncs']['max']} | {row['events_identical']} | "
+            f"{floor_ms:.2f} | {row['ours']['total']['mean_ms'] / floor_ms:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def offline_table(rows: list[dict]) -> str:
+    lines = [
+        "| input s | frames | ours s | upstream cached s | upstream default s | default / ours | ids identical |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        default = row.get("upstream_default_s")
+        ratio = f"{default / row['ours_s']:.1f}x" if default else "skipped (O(T^2))"
+        default_text = f"{default:.1f}" if default else "-"
+        identical = row["ids_identical_to_upstream_cached"] and row.get("ids_identical_to_upstream_default", True)
+        lines.append(
+            f"| {row['seconds']:g} | {row['frames']} | {row['ours_s']:.1f} | {row['upstream_cached_s']:.1f} | "
+            f"{default_text} | {ratio} | {identical} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> bool:
+    """Stacked per-stage mean frame time, ours vs upstream, per checkpoint. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(results)
+    stages = STAGES[:-1]
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(names)), 4.5))
+    width = 0.38
+    colors = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3"]
+    for offset, side in ((-width / 2, "ours"), (width / 2, "upstream")):
+        bottoms = [0.0] * len(names)
+        for color, stage in zip(colors, stages):
+            values = [results[n][side][stage]["mean_ms"] for n in names]
+            ax.bar(
+                [i + offset for i in range(len(names))], values, width, bottom=bottoms, color=color,
+                label=stage if side == "ours" else None, edgecolor="white", hatch="" if side == "ours" else "//",
+            )
+            bottoms = [b + v for b, v in zip(bottoms, values)]
+        for i, total in enumerate(bottoms):
+            ax.text(i + offset, total + 1, side, ha="center", va="bottom", fontsize=8)
+    ax.axhline(80.0, color="black", linestyle="--", linewidth=1, label="80 ms (real time)")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names)
+    ax.set_ylabel("mean ms per 80 ms frame")
+    ax.set_title("Streaming stage times: ours (solid) vs upstream (hatched)")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
