@@ -7,9 +7,9 @@ import time
 import numpy as np
 
 
-def _timed(function):
+def _timed(function, *args, **kwargs):
     start = time.perf_counter()
-    result = function()
+    result = function(*args, **kwargs)
     return time.perf_counter() - start, result
 
 
@@ -25,8 +25,8 @@ def run(ours, tokenizer, upstream, processor, speech: np.ndarray, seconds: list[
         samples[: min(total, speech.shape[0])] = speech[:total]
         our_session = ours.create_session(tokenizer)
         up_session = upstream.create_session(processor)
-        ours_s, ours_result = _timed(lambda: our_session.generate(samples, extra_decoding_seconds=0.0, seed=0))
-        cached_s, cached = _timed(lambda: up_session.generate(mx.array(samples), seed=0, use_language_cache=True))
+        ours_s, ours_result = _timed(our_session.generate, samples, extra_decoding_seconds=0.0, seed=0)
+        cached_s, cached = _timed(up_session.generate, mx.array(samples), seed=0, use_language_cache=True)
         row = {
             "seconds": length,
             "frames": ours_result.frames,
@@ -35,7 +35,7 @@ def run(ours, tokenizer, upstream, processor, speech: np.ndarray, seconds: list[
             "ids_identical_to_upstream_cached": ours_result.text_tokens == cached.text_tokens.tolist(),
         }
         if length <= recompute_limit:
-            default_s, default = _timed(lambda: up_session.generate(mx.array(samples), seed=0))
+            default_s, default = _timed(up_session.generate, mx.array(samples), seed=0)
             row["upstream_default_s"] = default_s
             row["ids_identical_to_upstream_default"] = ours_result.text_tokens == default.text_tokens.tolist()
         else:
