@@ -1,0 +1,33 @@
+# Two commands on a fresh machine:
+#   make demo   -- set up .venv and answer the bundled spoken question with the demo checkpoint
+#   make test   -- set up .venv and run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev,server]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/mlx-voicechat generate --audio tests/data/question.wav --output-audio answer.wav \
+		-p "Be concise and answer in one sentence."
+	@echo "wrote answer.wav (22050 Hz mono PCM16)"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/python -m mlx_voicechat_plugin.bench --presets small medium --bits bf16 4 --repeats 3 \
+		--json artifacts/bench.json --markdown docs/performance-results.md --plot docs/stage_times.png
+
+clean:
+	rm -rf $(VENV) answer.wav artifacts .pytest_cache
