@@ -289,7 +289,9 @@ def test_profile_summary_and_frame_dump(models, speech_16k, tmp_path, monkeypatc
     assert summary["processing_frames_per_second"] == pytest.approx(1000.0 / total)
     # One readback of the frame's ids and RNNT symbols, one evaluation of its outputs.
     assert summary["host_syncs"] == {"mean": 2.0, "max": 2}
-    assert {"perception.mel", "perception.encoder", "language.llm"} <= set(summary["sub_stages"])
+    assert {"perception.mel", "perception.encoder", "language.llm", "tts.backbone", "tts.mog_head", "codec.decode"} <= set(
+        summary["sub_stages"]
+    )
     written = json.loads(dump.read_text())
     assert len(written["frames"]) == 8 and written["frames"][0]["frame_index"] == 0
 

@@ -7,7 +7,7 @@ evaluations are not counted, so the figure is the same with profiling off).
 
 Environment:
     ``MLX_VOICECHAT_PROFILE_STAGES=1`` adds named sub-stage marks (``perception.mel``,
-    ``perception.encoder``, ``language.llm``, ``tts.backbone``, ``codec.decoder_istft`` ...)
+    ``perception.encoder``, ``perception.proj``, ``language.llm``, ``tts.backbone``, ``tts.mog_head``, ``codec.decode``)
     reported as ``sub_stages``; those marks force evaluation at every boundary, so that
     run's totals are not the real-time factor.
     ``MLX_VOICECHAT_PROFILE_FRAMES=<path>`` writes every frame's timings (cold frames

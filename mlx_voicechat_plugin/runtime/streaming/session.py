@@ -333,11 +333,12 @@ class StreamingSession:
         self._previous_ids = (text_id, function_id)
         rest = self._transcript.schedule_rest(values[2]) if self._transcript.enabled else None
 
-        code = self._speech.step(text_id, first=self._timeline_index == 0)
+        code = self._speech.step(text_id, first=self._timeline_index == 0, clock=clock)
         self._timeline_index += 1
         clock.stage("tts", code)
 
         clean, samples = self._speech.decode(code)
+        clock.mark("codec.decode", samples)
         extra = [rest] if rest is not None else []
         mx.eval(
             samples,

@@ -219,7 +219,7 @@ class SpeechState:
         self.previous_code = prompt[0][:, -1:]
         self.codec_cache = CausalConv1dCache()
 
-    def step(self, text_id: int, first: bool) -> mx.array:
+    def step(self, text_id: int, first: bool, clock=None) -> mx.array:
         """Advance one frame conditioned on ``text_id``; returns ``(1, 1, 31)`` codes.
 
         The first timeline position emits the codec silence codes without a TTS step, as
@@ -232,10 +232,22 @@ class SpeechState:
         current = mx.array([[text_id]], dtype=mx.int32)
         if text_id == config.eos_token_id:
             self.previous_code = mx.broadcast_to(silence, self.previous_code.shape)
-        self.previous_code = self.model.tts_model.tts_model.step(
-            self.previous_code, current, mx.ones(current.shape, dtype=mx.bool_), self.cache, guidance=True
-        ).codes
+        self.previous_code = self._step(self.previous_code, current, clock)
         return self.previous_code
+
+    def _step(self, code: mx.array, current: mx.array, clock) -> mx.array:
+        """Upstream ``RVQEARTTSModel.step`` split at its two halves for sub-stage marks."""
+        tts = self.model.tts_model.tts_model
+        code_embed = tts.embed_code(tts.depthsum_embedding(code))
+        code_embed = mx.concatenate([code_embed, code_embed], axis=0)
+        cond = tts._condition(current, mx.ones(current.shape, dtype=mx.bool_), code.shape[0], True)
+        hidden = tts.backbone(None, inputs_embeds=tts.gated_fusion_audio_text(code_embed, cond), cache=self.cache)
+        if clock is not None:
+            clock.mark("tts.backbone", hidden)
+        codes = tts.generate_codes(hidden)
+        if clock is not None:
+            clock.mark("tts.mog_head", codes)
+        return codes
 
     def decode(self, code: mx.array) -> tuple[mx.array, mx.array]:
         """Codes ``(1, 1, 31)`` -> ``(clean codes (1, 1, 31), samples (1764,))``."""
