@@ -1,0 +1,74 @@
+"""Client failures, each reported as one line and a non-zero exit status.
+
+Exit statuses (both clients):
+
+* ``0`` -- the turn finished: ``response.done`` arrived and the server closed with 1000;
+* ``1`` -- a runtime failure (refused or dropped connection, an ``error`` event, auth,
+  Origin, audio device problems);
+* ``2`` -- a usage error (bad arguments, unreadable input file, bad output path);
+* ``3`` -- the server is busy with another session (``server_busy``, close 1013): retry later;
+* ``130`` -- interrupted before the turn could be committed.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_BUSY = 3
+EXIT_INTERRUPTED = 130
+
+
+class ClientError(Exception):
+    """A failure the command line reports as ``error: <message>`` (one line)."""
+
+    exit_code = EXIT_FAILURE
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def one_line(self) -> str:
+        """The message on a single line (newlines folded), prefixed with ``error:``."""
+        return "error: " + " ".join(self.message.split())
+
+
+class UsageError(ClientError):
+    """Bad command-line arguments or input files (nothing was sent)."""
+
+    exit_code = EXIT_USAGE
+
+
+class ConnectError(ClientError):
+    """The WebSocket could not be opened (refused, unreachable, timeout, not a WebSocket)."""
+
+
+class AuthError(ConnectError):
+    """HTTP 401 on the upgrade: the API key is missing or wrong."""
+
+
+class OriginRefused(ConnectError):
+    """HTTP 403 on the upgrade: the server's Origin policy refused the ``Origin`` header."""
+
+
+class ServerBusy(ClientError):
+    """``server_busy`` (close 1013): another connection holds the single session slot."""
+
+    exit_code = EXIT_BUSY
+
+
+class ServerErrorEvent(ClientError):
+    """The server sent an ``error`` event (``code`` is the spec's error code)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"server error {code}: {message}")
+        self.code = code
+        self.server_message = message
+
+
+class ConnectionLost(ClientError):
+    """The connection ended before ``response.done`` and a 1000 close."""
+
+
+class AudioDeviceError(ClientError):
+    """A microphone / speaker problem (missing package, no device, no permission)."""

@@ -1,0 +1,233 @@
+"""Client side of the ``/v1/realtime`` protocol: message building and event handling.
+
+Pure code, no I/O (the transport lives in :mod:`.transport`). Units:
+
+* input audio: 16 000 Hz mono, sent as base64 little-endian PCM16 in appends of
+  :data:`FRAME_SAMPLES` = 1280 samples (80 ms); float samples are quantized with
+  ``round(x * 32768)`` clamped to int16, the inverse of the server's ``/ 32768``, so a PCM16
+  file at 16 kHz reaches the model bit-exactly;
+* output audio: 22 050 Hz mono PCM16, 1764 samples (80 ms) per ``response.audio.delta``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ConnectionLost, ServerBusy, ServerErrorEvent
+
+#: Input rate (Hz) and samples per 80 ms append.
+INPUT_SAMPLE_RATE = 16_000
+FRAME_SAMPLES = 1280
+#: Output rate (Hz) and samples per ``response.audio.delta``.
+OUTPUT_SAMPLE_RATE = 22_050
+OUTPUT_FRAME_SAMPLES = 1764
+
+SUBPROTOCOL = "mlx-voicechat"
+
+
+# ---------------------------------------------------------------- audio encoding
+def float_to_pcm16(samples: np.ndarray) -> np.ndarray:
+    """Float samples (nominally [-1, 1]) to int16: ``round(x * 32768)`` clamped."""
+    scaled = np.round(np.asarray(samples, dtype=np.float64) * 32768.0)
+    return np.clip(scaled, -32768, 32767).astype("<i2")
+
+
+def encode_pcm16(samples: np.ndarray) -> str:
+    """Float samples to the wire format: base64 of little-endian PCM16."""
+    return base64.b64encode(float_to_pcm16(samples).tobytes()).decode("ascii")
+
+
+def decode_pcm16(payload: str) -> np.ndarray:
+    """Base64 little-endian PCM16 to an int16 array.
+
+    Raises:
+        ValueError: not base64, or an odd byte count.
+    """
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise ValueError("response.audio.delta carried invalid base64 audio") from None
+    if len(raw) % 2:
+        raise ValueError("response.audio.delta carried an odd number of PCM16 bytes")
+    return np.frombuffer(raw, dtype="<i2").astype(np.int16)
+
+
+def pcm16_to_float(pcm: np.ndarray) -> np.ndarray:
+    """int16 to float32 by ``/ 32768`` (exact; ``float_to_pcm16`` inverts it)."""
+    return np.asarray(pcm, dtype=np.int16).astype(np.float32) / 32768.0
+
+
+def frames(samples: np.ndarray, frame_samples: int = FRAME_SAMPLES) -> Iterator[np.ndarray]:
+    """Split 16 kHz samples into consecutive ``frame_samples`` chunks (the last may be short)."""
+    for start in range(0, samples.shape[0], frame_samples):
+        yield samples[start : start + frame_samples]
+
+
+# ---------------------------------------------------------------- client messages
+def session_update(system_prompt: str | None = None, seed: int = 0, max_streaming_seconds: float | None = None) -> dict:
+    """``session.update``: opens the streaming session (answered with ``session.updated``)."""
+    session: dict = {"seed": int(seed)}
+    if system_prompt is not None:
+        session["system_prompt"] = system_prompt
+    if max_streaming_seconds is not None:
+        session["max_streaming_seconds"] = float(max_streaming_seconds)
+    return {"type": "session.update", "session": session}
+
+
+def append(samples: np.ndarray) -> dict:
+    """``input_audio_buffer.append`` of float samples at 16 kHz (one 80 ms frame normally)."""
+    return {"type": "input_audio_buffer.append", "audio": encode_pcm16(samples), "sample_rate": INPUT_SAMPLE_RATE}
+
+
+def commit(pad_partial: bool = True) -> dict:
+    """``input_audio_buffer.commit``: flush (zero-padding the partial frame), then close 1000."""
+    return {"type": "input_audio_buffer.commit", "pad_partial": bool(pad_partial)}
+
+
+def cancel() -> dict:
+    """``session.cancel``: drop pending audio; answered with ``response.cancelled``."""
+    return {"type": "session.cancel"}
+
+
+def ping() -> dict:
+    return {"type": "session.ping"}
+
+
+def dumps(message: dict) -> str:
+    """A message as a JSON text frame."""
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+
+
+# ---------------------------------------------------------------- server events
+@dataclass(frozen=True)
+class TextDelta:
+    """A live text update: ``channel`` is ``user``, ``assistant`` or ``function``."""
+
+    channel: str
+    frame_index: int
+    delta: str
+    text: str
+
+
+@dataclass(frozen=True)
+class AudioDelta:
+    """One ``response.audio.delta``: ``pcm`` int16 samples at ``sample_rate`` Hz (1764 = 80 ms)."""
+
+    frame_index: int
+    pcm: np.ndarray
+    sample_rate: int
+
+
+@dataclass
+class TurnState:
+    """Everything one connection has received, updated event by event.
+
+    ``phase`` moves ``connecting`` -> ``configuring`` (``session.created``) -> ``ready``
+    (``session.updated``) -> ``committed`` -> ``done`` / ``cancelled``. The cumulative
+    ``transcript`` / ``text`` / ``function_text`` are authoritative (deltas may not be
+    suffixes, see the spec's text-delta rule); ``spoken_*`` concatenate the deltas as a live
+    display shows them.
+    """
+
+    phase: str = "connecting"
+    session_id: str | None = None
+    model: str | None = None
+    transcript: str = ""
+    text: str = ""
+    function_text: str = ""
+    spoken_text: str = ""
+    audio: list[np.ndarray] = field(default_factory=list)
+    audio_frame_indices: list[int] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    done_frame_index: int | None = None
+
+    @property
+    def frames(self) -> int:
+        """``response.audio.delta`` events received."""
+        return len(self.audio)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in ("done", "cancelled")
+
+    def audio_pcm16(self) -> np.ndarray:
+        """All received answer audio, int16 at 22 050 Hz."""
+        return np.concatenate(self.audio) if self.audio else np.zeros(0, dtype=np.int16)
+
+    def handle(self, event: dict) -> TextDelta | AudioDelta | None:
+        """Apply one server event.
+
+        Returns:
+            a :class:`TextDelta` or :class:`AudioDelta` to show / play, else None.
+
+        Raises:
+            ServerBusy: ``server_busy``.
+            ServerErrorEvent: any other ``error`` event.
+            ConnectionLost: a malformed event (not an object, no type, bad audio).
+        """
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+            raise ConnectionLost("the server sent a malformed event (not a JSON object with a type)")
+        kind = event["type"]
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        if kind == "error":
+            error = event.get("error") or {}
+            code = str(error.get("code", "unknown"))
+            message = str(error.get("message", ""))
+            if code == "server_busy":
+                raise ServerBusy(f"the server is busy with another session (server_busy): {message}")
+            raise ServerErrorEvent(code, message)
+        session = event.get("session") if isinstance(event.get("session"), dict) else {}
+        if kind == "session.created":
+            self.phase = "configuring"
+            self.session_id = session.get("id")
+        elif kind == "session.updated":
+            self.phase = "ready"
+            self.model = session.get("model")
+        elif kind == "input_audio_buffer.committed":
+            self.phase = "committed"
+        elif kind == "response.done":
+            self.phase = "done"
+            self.done_frame_index = event.get("frame_index")
+        elif kind == "response.cancelled":
+            self.phase = "cancelled"
+            self.done_frame_index = event.get("frame_index")
+        elif kind == "conversation.item.input_audio_transcription.delta":
+            self.transcript = str(event.get("transcript", self.transcript + str(event.get("delta", ""))))
+            return TextDelta("user", int(event.get("frame_index", -1)), str(event.get("delta", "")), self.transcript)
+        elif kind == "response.text.delta":
+            delta = str(event.get("delta", ""))
+            self.text = str(event.get("text", self.text + delta))
+            self.spoken_text += delta
+            return TextDelta("assistant", int(event.get("frame_index", -1)), delta, self.text)
+        elif kind == "response.function.delta":
+            delta = str(event.get("delta", ""))
+            self.function_text = str(event.get("text", self.function_text + delta))
+            return TextDelta("function", int(event.get("frame_index", -1)), delta, self.function_text)
+        elif kind == "response.audio.delta":
+            try:
+                pcm = decode_pcm16(event.get("delta", ""))
+            except ValueError as error:
+                raise ConnectionLost(str(error)) from None
+            frame_index = int(event.get("frame_index", len(self.audio)))
+            self.audio.append(pcm)
+            self.audio_frame_indices.append(frame_index)
+            return AudioDelta(frame_index, pcm, int(event.get("sample_rate", OUTPUT_SAMPLE_RATE)))
+        return None
+
+
+def parse_event(text: str | bytes) -> dict:
+    """Decode one server text frame.
+
+    Raises:
+        ConnectionLost: not JSON (the server only sends JSON objects).
+    """
+    try:
+        return json.loads(text)
+    except (ValueError, TypeError):
+        raise ConnectionLost("the server sent a frame that is not JSON") from None

@@ -1,0 +1,192 @@
+"""WebSocket transport for the clients (the ``websockets`` asyncio client, >= 13).
+
+Opens ``/v1/realtime`` with the ``mlx-voicechat`` subprotocol, an optional
+``Authorization: Bearer <key>`` header and an optional ``Origin``; sends and receives JSON
+text frames; and turns every way a connection can fail into one :class:`~.errors.ClientError`
+with a one-line message. No protocol logic lives here (see :mod:`.protocol`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlsplit, urlunsplit
+
+from .errors import AuthError, ConnectError, ConnectionLost, OriginRefused, ServerBusy, UsageError
+from .protocol import SUBPROTOCOL, dumps, parse_event
+
+#: Close codes of the spec: normal, policy (idle timeout), too big, try again later (busy).
+CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_TRY_AGAIN = 1000, 1008, 1009, 1013
+_CLOSE_MEANINGS = {
+    1001: "the server is going away",
+    CLOSE_POLICY: "policy violation (for example the idle limit)",
+    CLOSE_TOO_BIG: "a message was too big",
+    1011: "internal server error",
+    1012: "the server is restarting",
+    CLOSE_TRY_AGAIN: "try again later",
+}
+
+
+def _websockets():
+    try:
+        import websockets
+        from websockets.asyncio.client import connect
+    except ImportError:
+        raise ConnectError(
+            "the clients need the 'websockets' package (>= 13): pip install 'mlx-voicechat-plugin[server]'"
+        ) from None
+    return websockets, connect
+
+
+def normalize_url(url: str) -> str:
+    """Check a realtime URL: ``ws://`` or ``wss://`` (``http(s)://`` is converted), and a bare
+    ``host:port`` gets the default path ``/v1/realtime``.
+
+    Raises:
+        UsageError: another scheme or no host.
+    """
+    parts = urlsplit(url.strip())
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
+    if scheme not in ("ws", "wss") or not parts.netloc:
+        raise UsageError(f"{url!r} is not a WebSocket URL; expected ws://HOST:PORT/v1/realtime")
+    path = parts.path if parts.path not in ("", "/") else "/v1/realtime"
+    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+def describe_close(code: int | None, reason: str = "") -> str:
+    """A close code as words, e.g. ``code 1008 (policy violation ...): idle``."""
+    if code is None or code == 1006:
+        return "the connection dropped without a close frame (code 1006)"
+    meaning = _CLOSE_MEANINGS.get(code)
+    text = f"code {code}" + (f" ({meaning})" if meaning else "")
+    return text + (f": {reason}" if reason else "")
+
+
+def _denial_message(body: bytes | bytearray | None) -> str:
+    import json
+
+    if not body:
+        return ""
+    try:
+        payload = json.loads(bytes(body))
+        message = payload.get("error", {}).get("message") if isinstance(payload, dict) else None
+    except (ValueError, AttributeError):
+        message = None
+    return str(message) if message else bytes(body[:200]).decode("utf-8", "replace").strip()
+
+
+class RealtimeSocket:
+    """One open ``/v1/realtime`` connection.
+
+    Use :meth:`connect`; then :meth:`send` messages and :meth:`receive` events. After
+    :meth:`receive` returns None (the server closed with 1000), ``close_code`` is 1000.
+    """
+
+    def __init__(self, websocket, url: str):
+        self._ws = websocket
+        self.url = url
+        self.close_code: int | None = None
+        self.close_reason: str = ""
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        api_key: str | None = None,
+        origin: str | None = None,
+        open_timeout: float = 15.0,
+    ) -> RealtimeSocket:
+        """Open the WebSocket.
+
+        Args:
+            url: ``ws://HOST:PORT[/prefix]/v1/realtime``.
+            api_key: sent as ``Authorization: Bearer <key>`` (None: no header).
+            origin: an ``Origin`` header to send (None: none, like any non-browser client).
+            open_timeout: seconds to wait for the TCP connection and the upgrade.
+
+        Raises:
+            AuthError: HTTP 401. OriginRefused: HTTP 403. ConnectError: anything else.
+            UsageError: a malformed URL.
+        """
+        websockets, connect = _websockets()
+        url = normalize_url(url)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        where = urlsplit(url).netloc
+        try:
+            ws = await connect(
+                url,
+                additional_headers=headers,
+                origin=origin,
+                subprotocols=[SUBPROTOCOL],
+                open_timeout=open_timeout,
+                max_size=4 * 1024 * 1024,
+                close_timeout=5,
+            )
+        except websockets.exceptions.InvalidStatus as error:
+            status = error.response.status_code
+            detail = _denial_message(getattr(error.response, "body", None))
+            suffix = f" ({detail})" if detail else ""
+            if status == 401:
+                hint = "pass the server's key with --api-key" if not api_key else "the --api-key value is wrong"
+                raise AuthError(f"{url} refused the API key (HTTP 401): {hint}{suffix}") from None
+            if status == 403:
+                raise OriginRefused(
+                    f"{url} refused the Origin {origin!r} (HTTP 403); start the server with "
+                    f"--allowed-origins {origin or 'ORIGIN'} to allow it{suffix}"
+                ) from None
+            raise ConnectError(
+                f"{url} answered HTTP {status} instead of a WebSocket upgrade; is this the "
+                f"/v1/realtime endpoint (mind --api-prefix)?{suffix}"
+            ) from None
+        except websockets.exceptions.InvalidURI as error:
+            raise UsageError(f"invalid WebSocket URL {url!r}: {error}") from None
+        except websockets.exceptions.InvalidHandshake as error:
+            raise ConnectError(f"{url}: the WebSocket handshake failed: {error}") from None
+        except (asyncio.TimeoutError, TimeoutError):
+            raise ConnectError(f"timed out after {open_timeout:g} s connecting to {where}") from None
+        except OSError as error:
+            reason = error.strerror or str(error) or type(error).__name__
+            raise ConnectError(f"cannot connect to {where}: {reason}; is the server running?") from None
+        return cls(ws, url)
+
+    def _closed(self, error) -> None:
+        received = getattr(error, "rcvd", None)
+        self.close_code = received.code if received is not None else 1006
+        self.close_reason = received.reason if received is not None else ""
+
+    async def send(self, message: dict) -> bool:
+        """Send one message; False when the connection is already closed (the receiver
+        reports why)."""
+        websockets, _ = _websockets()
+        try:
+            await self._ws.send(dumps(message))
+        except websockets.exceptions.ConnectionClosed as error:
+            self._closed(error)
+            return False
+        return True
+
+    async def receive(self) -> dict | None:
+        """The next event, or None once the server closed the connection with code 1000.
+
+        Raises:
+            ServerBusy: closed with 1013 (try again later).
+            ConnectionLost: any other close, or a dropped connection.
+        """
+        websockets, _ = _websockets()
+        try:
+            frame = await self._ws.recv()
+        except websockets.exceptions.ConnectionClosed as error:
+            self._closed(error)
+            if self.close_code == CLOSE_NORMAL:
+                return None
+            if self.close_code == CLOSE_TRY_AGAIN:
+                raise ServerBusy("the server is busy with another session (close 1013); try again later") from None
+            raise ConnectionLost(f"the server connection ended: {describe_close(self.close_code, self.close_reason)}") from None
+        return parse_event(frame)
+
+    async def close(self, code: int = CLOSE_NORMAL) -> None:
+        """Close from the client side (idempotent, never raises)."""
+        try:
+            await self._ws.close(code=code)
+        except Exception:  # noqa: BLE001 - closing a broken socket is best effort
+            pass
