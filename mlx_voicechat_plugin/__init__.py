@@ -16,6 +16,11 @@ _LAZY = {
     "Model": ("mlx_voicechat_plugin.model.model", "Model"),
     "OfflineSession": ("mlx_voicechat_plugin.runtime.offline", "OfflineSession"),
     "OfflineResult": ("mlx_voicechat_plugin.runtime.offline", "OfflineResult"),
+    "StreamingOptions": ("mlx_voicechat_plugin.runtime.streaming", "StreamingOptions"),
+    "StreamingSession": ("mlx_voicechat_plugin.runtime.streaming", "StreamingSession"),
+    "ContextLimitError": ("mlx_voicechat_plugin.runtime.streaming", "ContextLimitError"),
+    "WrongThreadError": ("mlx_voicechat_plugin.runtime.streaming", "WrongThreadError"),
+    "StreamingError": ("mlx_voicechat_plugin.runtime.streaming", "StreamingError"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -25,7 +25,7 @@ def resolve_checkpoint(model: str | Path) -> Path:
             raise CheckpointError(f"{model}: no config.json in this directory")
         raise CheckpointError(
             f"{model}: no such checkpoint directory (and not in the Hugging Face cache; "
-            "download it first, e.g. `huggingface-cli download "
+            "download it first, e.g. `hf download "
             "mlx-community/NemotronLabs-VoiceChat-11B-4bit`)"
         )
     model_type = read_model_type(config)
