@@ -19,7 +19,13 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol
 from .engine import RealtimeEngine
-from .protocol import INFERENCE_ERROR, INVALID_REQUEST, SERVER_BUSY, ProtocolError
+from .protocol import (
+    INFERENCE_ERROR,
+    INVALID_REQUEST,
+    SERVER_BUSY,
+    SESSION_INITIALIZATION_FAILED,
+    ProtocolError,
+)
 from .settings import ServerSettings
 
 logger = logging.getLogger("mlx_voicechat_plugin.server")
@@ -41,9 +47,16 @@ class Connection:
         self.settings = settings
         self.session_id = protocol.new_session_id()
         self.inbox: asyncio.Queue = asyncio.Queue()
-        self.cancel_requested = asyncio.Event()
+        # Cancel messages read but not yet dispatched: an append stops at the next slice
+        # boundary while one is queued. A counter, not a flag, so that a cancel refused
+        # before session.update cannot cancel the session configured after it.
+        self.pending_cancels = 0
         self.connected_at = time.monotonic()
         self.last_message_at = self.connected_at
+        # When the server last finished handling a message: a client waiting for the
+        # answer to a long append is not idle, so the idle clock starts at the later of
+        # this and the last client message.
+        self.handled_at = self.connected_at
         self.configured = False
         self.finished = False
 
@@ -91,7 +104,7 @@ class Connection:
                     await self.inbox.put(("error", error))
                     continue
                 if message["type"] in CANCEL_TYPES:
-                    self.cancel_requested.set()
+                    self.pending_cancels += 1
                 await self.inbox.put(("message", message))
         except (WebSocketDisconnect, RuntimeError, OSError):
             pass
@@ -104,7 +117,7 @@ class Connection:
             return remaining, (
                 f"no session.update within {self.settings.session_update_timeout:g} s of connecting"
             )
-        remaining = self.last_message_at + self.settings.idle_timeout - now
+        remaining = max(self.last_message_at, self.handled_at) + self.settings.idle_timeout - now
         return remaining, f"no client message for {self.settings.idle_timeout:g} s; closing the idle session"
 
     # ------------------------------------------------------------------ main loop
@@ -123,9 +136,12 @@ class Connection:
             while not self.finished:
                 remaining, reason = self._wait_budget()
                 try:
-                    kind, value = await asyncio.wait_for(self.inbox.get(), timeout=max(remaining, 0.0))
+                    if self.inbox.empty():
+                        kind, value = await asyncio.wait_for(self.inbox.get(), timeout=max(remaining, 0.0))
+                    else:  # already queued: never dropped by a timeout (wait_for(..., 0) would)
+                        kind, value = self.inbox.get_nowait()
                 except asyncio.TimeoutError:
-                    if self._wait_budget()[0] > 0:
+                    if self._wait_budget()[0] > 0 or not self.inbox.empty():
                         continue  # a message arrived just now
                     await self.send_error(INVALID_REQUEST, reason)
                     await self._end(CLOSE_POLICY)
@@ -139,6 +155,7 @@ class Connection:
                     await self.send_error(value.code, value.message)
                     continue
                 await self._dispatch(value)
+                self.handled_at = time.monotonic()
         except _Disconnected:
             pass
         finally:
@@ -157,6 +174,8 @@ class Connection:
 
     async def _dispatch(self, message: dict) -> None:
         kind = message["type"]
+        if kind in CANCEL_TYPES:
+            self.pending_cancels -= 1
         if kind == "session.ping":
             await self.send({"type": "session.pong"})
             return
@@ -184,8 +203,8 @@ class Connection:
             await self.send_error(error.code, error.message)
             return
         reply = await self.engine.call("open", self.session_id, config=config)
-        if reply.error is not None:
-            await self.send_error(reply.error.code, reply.error.message)
+        if reply.error is not None:  # any failure to open is a failed session.update
+            await self.send_error(SESSION_INITIALIZATION_FAILED, reply.error.message)
             return
         self.configured = True
         await self.send(protocol.session_updated(self.session_id, self.settings.model_id))
@@ -198,7 +217,7 @@ class Connection:
             return
         frame = protocol.FRAME_SAMPLES
         for start in range(0, samples.shape[0], frame):
-            if self.cancel_requested.is_set():
+            if self.pending_cancels > 0:
                 return  # the queued cancel is handled next
             reply = await self.engine.call("push", self.session_id, samples=samples[start : start + frame])
             for event in reply.events:

@@ -118,18 +118,17 @@ def parse_session_update(message: dict, max_session_seconds: float) -> SessionCo
         seed = 0
     if not _is_integer(seed) or seed < 0 or seed >= 2**64:
         raise fail("session.seed must be a non-negative integer below 2**64")
-    model = session.get("model")
-    if model is not None and not isinstance(model, str):
-        raise fail("session.model must be a string when given")
+    # session.model is optional and any value opens the served checkpoint (spec): ignored.
     limit = session.get("max_streaming_seconds")
     if limit is None:
         seconds = max_session_seconds
     else:
         if isinstance(limit, bool) or not isinstance(limit, (int, float)):
             raise fail("session.max_streaming_seconds must be a number")
-        if not math.isfinite(limit) or limit <= 0:
+        # JSON integers may exceed the float range: compare them as integers (no overflow).
+        if (isinstance(limit, float) and not math.isfinite(limit)) or limit <= 0:
             raise fail("session.max_streaming_seconds must be a positive finite number")
-        seconds = min(float(limit), max_session_seconds)
+        seconds = float(min(limit, max_session_seconds))
     return SessionConfig(system_prompt=prompt, seed=seed, max_streaming_seconds=seconds)
 
 

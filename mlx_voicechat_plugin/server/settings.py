@@ -10,7 +10,8 @@ MAX_MESSAGE_BYTES = 1024 * 1024
 MAX_SESSION_SECONDS = 600.0
 #: A connection must send ``session.update`` within this many seconds of connecting.
 SESSION_UPDATE_TIMEOUT = 30.0
-#: A configured session with no client message for this long is closed (1008).
+#: A configured session with no client message for this long is closed (1008); the clock
+#: does not run while the server is still handling the client's last message.
 IDLE_TIMEOUT = 120.0
 
 
