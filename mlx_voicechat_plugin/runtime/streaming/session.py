@@ -332,6 +332,8 @@ class StreamingSession:
         text_id, function_id = values[0], values[1]
         self._previous_ids = (text_id, function_id)
         rest = self._transcript.schedule_rest(values[2]) if self._transcript.enabled else None
+        if rest is not None:
+            clock.stage("rnnt", rest)  # profiling only: attribute the extra symbols to rnnt
 
         code = self._speech.step(text_id, first=self._timeline_index == 0, clock=clock)
         self._timeline_index += 1
