@@ -25,17 +25,20 @@ def find_config(model: str | Path) -> Path | None:
 
     Nothing is downloaded: a repository id that is not in the Hugging Face cache gives None.
     """
+    text = str(model)
     path = Path(model).expanduser()
     if path.is_dir():
         candidate = path / "config.json"
         return candidate if candidate.is_file() else None
-    if path.exists() or str(model).count("/") != 1:
+    local_spelling = text.startswith(("/", ".", "~")) or "\\" in text
+    if path.exists() or local_spelling or text.count("/") != 1:
         return None
     try:
         from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # pragma: no cover - huggingface_hub comes with mlx-vlm
+
+        cached = try_to_load_from_cache(text, "config.json")
+    except Exception:  # noqa: BLE001 - not a valid repo id: not a cached checkpoint either
         return None
-    cached = try_to_load_from_cache(str(model), "config.json")
     return Path(cached) if isinstance(cached, str) else None
 
 

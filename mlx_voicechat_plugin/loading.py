@@ -28,6 +28,14 @@ def resolve_checkpoint(model: str | Path) -> Path:
             "download it first, e.g. `hf download "
             "mlx-community/NemotronLabs-VoiceChat-11B-4bit`)"
         )
+    import json
+
+    try:
+        parsed = json.loads(config.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{config}: not a readable JSON file ({error})") from None
+    if not isinstance(parsed, dict):
+        raise CheckpointError(f"{config}: must hold a JSON object")
     model_type = read_model_type(config)
     if model_type != MODEL_TYPE:
         raise CheckpointError(
@@ -73,8 +81,25 @@ def load(model: str | Path, *, lazy: bool = False):
     path = resolve_checkpoint(model)
     from mlx_vlm.utils import load_model
 
+    from .model.errors import VoiceChatConfigError
+
     logging.getLogger("mlx_vlm").setLevel(logging.ERROR)
-    loaded = load_model(path, lazy=lazy)
-    tokenizer = load_tokenizer(path)
+    previous = logging.root.manager.disable
+    logging.disable(logging.ERROR)  # mlx-vlm logs advice for other model families on failure
+    try:
+        loaded = load_model(path, lazy=lazy)
+    except VoiceChatConfigError:
+        raise
+    except FileNotFoundError as error:
+        raise CheckpointError(f"{path}: weights missing ({str(error).strip().splitlines()[0]})") from None
+    except Exception as error:  # noqa: BLE001 - any failure here means a broken checkpoint
+        raise CheckpointError(f"{path}: could not load the checkpoint: {type(error).__name__}: {error}") from None
+    finally:
+        logging.disable(previous)
+    try:
+        tokenizer = load_tokenizer(path)
+    except Exception as error:  # noqa: BLE001
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path}: could not load the tokenizer ({first})") from None
     loaded._tokenizer = tokenizer
     return loaded, tokenizer

@@ -12,6 +12,7 @@ import argparse
 import math
 import os
 import sys
+from pathlib import Path
 
 #: Most silence ``--extra-decoding-seconds`` may append (spec "Limits"; the runtime enforces
 #: the same cap, this only reports it with the flag's spelling before any work is done).
@@ -112,8 +113,20 @@ def _check_arguments(args, unknown: list[str]) -> list[str]:
             f"--extra-decoding-seconds must be between 0 and {MAX_EXTRA_DECODING_SECONDS:g} "
             f"seconds, got {extra:g}"
         )
-    if args.seed < 0:
-        raise UsageError("--seed must be a non-negative integer")
+    if not 0 <= args.seed < 2**64:
+        raise UsageError("--seed must be an integer in [0, 2**64)")
+    limit = args.max_streaming_seconds
+    if limit is not None and (not math.isfinite(limit) or limit <= 0):
+        raise UsageError(f"--max-streaming-seconds must be a positive number of seconds, got {limit:g}")
+    if limit is not None and limit < 0.08:
+        raise UsageError("--max-streaming-seconds must allow at least one 80 ms frame (>= 0.08)")
+    source, target = Path(args.audio[0]), Path(args.output_audio)
+    try:
+        same = source.exists() and target.exists() and os.path.samefile(source, target)
+    except OSError:
+        same = False
+    if same:
+        raise UsageError(f"--output-audio {target} is the input file; choose another path (the input is never overwritten)")
     return notes
 
 

@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     build.add_argument("--bits", type=int, choices=(4, 8), default=None,
                        help="quantize the LLM parts (default: bf16)")
-    build.add_argument("--seed", type=int, default=0, help="weight RNG seed (default 0)")
+    build.add_argument("--seed", type=int, default=0, help="weight RNG seed, 0 <= N < 2**64 (default 0)")
     build.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     args = parser.parse_args(argv)
 

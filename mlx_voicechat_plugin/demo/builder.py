@@ -53,11 +53,18 @@ def build_checkpoint(
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     if bits not in (None, 4, 8):
         raise ValueError(f"bits must be 4 or 8 (or omitted for bf16), got {bits!r}")
-    output = Path(output_dir)
-    if output.exists() and not overwrite:
-        raise FileExistsError(f"{output} already exists (pass overwrite=True)")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    if not str(output_dir).strip():
+        raise ValueError("the output directory name is empty")
+    output = Path(output_dir).expanduser().absolute()
+    _check_replaceable(output, overwrite)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+        staging.chmod(0o755)
+    except OSError as error:
+        raise ValueError(f"cannot create {output}: {error.strerror or error}") from None
     try:
         spec = PRESETS[preset]
         text_vocab = tokenizers.build_text_tokenizer(staging, spec.text_vocab_size)
@@ -96,6 +103,34 @@ def build_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return output
+
+
+def _check_replaceable(output: Path, overwrite: bool) -> None:
+    """Refuse to replace anything that is not a demo checkpoint (``overwrite`` never deletes
+    the working directory, one of its parents, a file, or a directory of other content).
+
+    Raises:
+        FileExistsError: ``output`` exists and ``overwrite`` is false.
+        ValueError: ``overwrite`` is true but ``output`` is not a demo checkpoint directory.
+    """
+    if not output.exists() and not output.is_symlink():
+        return
+    if not overwrite:
+        raise FileExistsError(f"{output} already exists (pass overwrite=True)")
+    resolved = output.resolve()
+    cwd = Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents or resolved == Path(resolved.anchor):
+        raise ValueError(f"refusing to replace {output}: it is the working directory or one of its parents")
+    if not output.is_dir() or output.is_symlink():
+        raise ValueError(f"refusing to replace {output}: it is not a directory")
+    readme = output / "README.md"
+    config = output / "config.json"
+    try:
+        is_demo = readme.is_file() and "Demo NemotronLabs VoiceChat checkpoint" in readme.read_text(errors="replace") and config.is_file()
+    except OSError:
+        is_demo = False
+    if not is_demo:
+        raise ValueError(f"refusing to replace {output}: it is not a demo checkpoint built by this tool")
 
 
 def _write_shards(folder: Path, stored: dict) -> None:

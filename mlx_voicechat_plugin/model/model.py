@@ -114,6 +114,8 @@ class Model(UpstreamModel):
 
         if options is not None and fields:
             raise TypeError("pass either a StreamingOptions or keyword fields, not both")
+        if options is not None and not isinstance(options, StreamingOptions):
+            raise TypeError(f"options must be a StreamingOptions, got {type(options).__name__}")
         if options is None:
             options = StreamingOptions(**fields)
         return StreamingSession(self, self._resolve_tokenizer(processor), options)

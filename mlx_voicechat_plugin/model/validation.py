@@ -22,6 +22,21 @@ def validate_config(config) -> None:
             an RNNT vocabulary that does not match the joint network.
     """
     problems: list[str] = []
+    integer_fields = ("bos_token_id", "eos_token_id", "pad_token_id", "silence_token_id", "rnnt_blank_id",
+                      "input_sample_rate", "output_sample_rate")
+    for name in integer_fields:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{name} must be an integer, got {value!r}")
+    if isinstance(config.frame_duration, bool) or not isinstance(config.frame_duration, (int, float)) or not config.frame_duration > 0:
+        problems.append(f"frame_duration must be a positive number, got {config.frame_duration!r}")
+    if problems:
+        raise VoiceChatConfigError("unsupported nemotron_voicechat checkpoint: " + "; ".join(problems))
+    vocab = config.text_config.vocab_size
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "silence_token_id"):
+        value = getattr(config, name)
+        if not 0 <= value < vocab:
+            problems.append(f"{name} is {value}, outside the LLM vocabulary [0, {vocab})")
     if config.speaker != SUPPORTED_SPEAKER:
         problems.append(
             f"speaker is {config.speaker!r}; only the built-in {SUPPORTED_SPEAKER!r} voice "

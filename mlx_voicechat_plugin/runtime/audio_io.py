@@ -75,7 +75,7 @@ def check_wav_output_path(path: str | Path) -> Path:
 
     Raises:
         AudioInputError: the name does not end in ``.wav``, the parent directory does not
-            exist, or the path is a directory.
+            exist or is not writable, or the path is a directory.
     """
     target = Path(path)
     if target.suffix.lower() != ".wav":
@@ -84,6 +84,13 @@ def check_wav_output_path(path: str | Path) -> Path:
         raise AudioInputError(f"{target}: is a directory")
     if not target.parent.is_dir():
         raise AudioInputError(f"{target}: directory {target.parent} does not exist")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise AudioInputError(f"{target}: not writable (permission denied)")
+    try:  # prove the directory accepts a new file (root ignores permission bits; /proc, /sys...)
+        probe = _create_temporary(target.parent, target.name)
+        probe.unlink()
+    except OSError as error:
+        raise AudioInputError(f"{target}: cannot write there ({error.strerror or error})") from None
     return target
 
 

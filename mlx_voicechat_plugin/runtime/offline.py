@@ -31,6 +31,8 @@ from .rng import SessionRNG
 MAX_INPUT_SECONDS = 20 * 60
 #: Most silence that may be appended after the input.
 MAX_EXTRA_DECODING_SECONDS = 600.0
+#: Longest system prompt (tokens): each token is one LLM and one EAR-TTS step of prefill.
+MAX_PROMPT_TOKENS = 512
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -64,6 +66,28 @@ class OfflineResult:
     prompt_frames: int
 
 
+def as_float_samples(audio) -> np.ndarray:
+    """Float PCM (NumPy, MLX incl. bfloat16, or a sequence) as a float32 NumPy array.
+
+    Raises:
+        AudioInputError: integer, boolean, complex or non-numeric samples, or a ragged list.
+    """
+    if isinstance(audio, mx.array):
+        if not mx.issubdtype(audio.dtype, mx.floating):
+            raise AudioInputError(f"audio must be float PCM in [-1, 1], got MLX dtype {audio.dtype}")
+        return np.array(audio.astype(mx.float32))
+    try:
+        array = np.asarray(audio)
+    except ValueError as error:
+        raise AudioInputError(f"audio is not a rectangular array of samples: {error}") from None
+    if not np.issubdtype(array.dtype, np.floating):
+        raise AudioInputError(
+            f"audio must be float PCM in [-1, 1], got dtype {array.dtype}"
+            + ("; divide int16 PCM by 32768 first" if np.issubdtype(array.dtype, np.integer) else "")
+        )
+    return array.astype(np.float32)
+
+
 def prepare_waveform(
     audio: str | Path | np.ndarray | mx.array,
     *,
@@ -87,7 +111,12 @@ def prepare_waveform(
             or shorter than one frame once the extra silence is added.
         ValueError: ``extra_decoding_seconds`` negative, non-finite or above 600.
     """
-    extra = float(extra_decoding_seconds)
+    if isinstance(extra_decoding_seconds, bool) or not isinstance(extra_decoding_seconds, (int, float, np.floating, np.integer)):
+        raise TypeError(f"extra_decoding_seconds must be a number, got {extra_decoding_seconds!r}")
+    try:
+        extra = float(extra_decoding_seconds)
+    except OverflowError:
+        extra = float("inf")
     if not np.isfinite(extra) or extra < 0:
         raise ValueError(
             f"extra_decoding_seconds must be a non-negative number, got {extra_decoding_seconds!r}"
@@ -99,7 +128,7 @@ def prepare_waveform(
     if isinstance(audio, (str, Path)):
         samples = read_audio(audio, sample_rate)
     else:
-        samples = np.asarray(audio, dtype=np.float32)
+        samples = as_float_samples(audio)
         if samples.ndim == 2 and 1 in samples.shape:
             samples = samples.reshape(-1)
         if samples.ndim != 1:
@@ -143,14 +172,32 @@ class OfflineSession(VoiceChatSession):
         }
 
     def prompt_ids(self, system_prompt: str | None) -> list[int]:
-        """``[BOS] + tokens + [EOS]`` for a non-blank prompt, else ``[]`` (spec step 3)."""
+        """``[BOS] + tokens + [EOS]`` for a non-blank prompt, else ``[]`` (spec step 3).
+
+        Raises:
+            TypeError: not a string.
+            ValueError: not valid Unicode, or longer than :data:`MAX_PROMPT_TOKENS` tokens.
+        """
         config = self.model.config
         text = config.default_system_prompt if system_prompt is None else system_prompt
         if not isinstance(text, str):
             raise TypeError(f"system_prompt must be a string, got {type(text).__name__}")
         if not text.strip():
             return []
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("system_prompt is not valid Unicode text (lone surrogate)") from None
+        if len(text) > 8 * MAX_PROMPT_TOKENS:
+            raise ValueError(
+                f"system_prompt is {len(text)} characters; at most {MAX_PROMPT_TOKENS} tokens are allowed"
+            )
         tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(tokens) > MAX_PROMPT_TOKENS:
+            raise ValueError(
+                f"system_prompt is {len(tokens)} tokens; at most {MAX_PROMPT_TOKENS} are allowed "
+                "(each token costs one model step before the audio starts)"
+            )
         return [config.bos_token_id, *tokens, config.eos_token_id]
 
     def decode_tokens(self, tokens: list[int]) -> str:
@@ -195,8 +242,10 @@ class OfflineSession(VoiceChatSession):
             frame_samples=frame_samples,
             extra_decoding_seconds=extra_decoding_seconds,
         )
-        if max_frames is not None and max_frames < 2:
-            raise ValueError("max_frames must be at least 2")
+        if max_frames is not None and (isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 2):
+            raise ValueError(f"max_frames must be an integer of at least 2, got {max_frames!r}")
+        if progress is not None and not callable(progress):
+            raise TypeError("progress must be a callable progress(done, total)")
         prompt_ids = self.prompt_ids(system_prompt)
         with rng.active():
             return self._run(mx.array(waveform), prompt_ids, use_language_cache, max_frames, progress)

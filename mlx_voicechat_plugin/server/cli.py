@@ -22,11 +22,39 @@ def _origins(values: list[str] | None) -> list[str]:
     return found
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be between 1 and 65535, got {value}")
+    return value
+
+
+def _check_bind(host: str, port: int) -> str | None:
+    """Return why ``host:port`` cannot be bound, or None (checked before loading the model)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as error:
+        return f"cannot resolve --host {host!r}: {error}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            return f"cannot listen on {host}:{port}: {error.strerror or error}"
+    return None
+
+
 def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Serve NemotronLabs VoiceChat over the realtime WebSocket /v1/realtime.")
     parser.add_argument("--model", "-m", default=None, help="checkpoint directory (default: the built-in tiny demo checkpoint)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 to listen on all interfaces)")
-    parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    parser.add_argument("--port", type=_port, default=8080, help="port (default 8080)")
     parser.add_argument("--api-key", default=os.environ.get("MLX_VOICECHAT_API_KEY"), help="require Authorization: Bearer <key> on the upgrade (env MLX_VOICECHAT_API_KEY)")
     parser.add_argument("--api-prefix", default="", help="prefix for every route, e.g. /voice")
     parser.add_argument("--cors-origins", action="append", default=None, help="browser origins allowed to connect (comma/space separated; '*' for any)")
@@ -54,6 +82,10 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve") ->
     from .engine import RealtimeEngine
     from .settings import ServerSettings
 
+    problem = _check_bind(args.host, args.port)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
     if args.model is None:
         from ..demo import default_checkpoint
 
@@ -108,6 +140,10 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve") ->
             ws_ping_timeout=20.0,
             server_header=False,
         )
+    except SystemExit as exit_:  # uvicorn exits when it cannot bind after all (a race)
+        print(f"error: could not serve on {args.host}:{args.port}", file=sys.stderr)
+        return int(exit_.code or 1)
     finally:
         engine.stop()
     return 0
+

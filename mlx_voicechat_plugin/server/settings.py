@@ -43,11 +43,16 @@ class ServerSettings:
     idle_timeout: float = IDLE_TIMEOUT
 
     def __post_init__(self):
-        prefix = self.api_prefix.strip()
-        if prefix in ("", "/"):
-            prefix = ""
-        else:
-            prefix = "/" + prefix.strip("/")
+        prefix = self.api_prefix.strip().strip("/")
+        if prefix:
+            import re
+
+            if not re.fullmatch(r"[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*", prefix):
+                raise ValueError(
+                    f"api_prefix {self.api_prefix!r} must be a URL path of letters, digits and ._~- "
+                    "segments, e.g. /voice"
+                )
+            prefix = "/" + prefix
         object.__setattr__(self, "api_prefix", prefix)
         origins = tuple(origin.strip().rstrip("/") for origin in self.allowed_origins if origin.strip())
         object.__setattr__(self, "allowed_origins", origins)

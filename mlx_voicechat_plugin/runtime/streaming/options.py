@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -37,12 +38,19 @@ class StreamingOptions:
     def __post_init__(self):
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise TypeError("system_prompt must be a string or None")
+        for name in ("use_language_cache", "use_perception_cache", "profile"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         limit = self.max_streaming_seconds
         if limit is not None:
-            if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+            if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
                 raise TypeError("max_streaming_seconds must be a number or None")
+            try:
+                limit = float(limit)
+            except OverflowError:
+                limit = math.inf
             if not math.isfinite(limit) or limit <= 0:
                 raise ValueError(f"max_streaming_seconds must be positive and finite, got {limit!r}")
 

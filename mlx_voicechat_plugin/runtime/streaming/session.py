@@ -77,6 +77,7 @@ class StreamingSession:
         self._timeline_index = 0
         self._previous_ids = (config.pad_token_id, config.pad_token_id)
         self._closed = False
+        self._failure: str | None = None
         special = {config.pad_token_id, config.silence_token_id, config.bos_token_id, config.eos_token_id}
         self._text = TokenText(tokenizer, special)
         self._function = TokenText(tokenizer, special)
@@ -132,10 +133,14 @@ class StreamingSession:
             ContextLimitError: a frame would pass ``max_streaming_seconds``; frames before
                 it were processed and their events are in ``error.events``; the rest of
                 the chunk is dropped.
+            Any other exception raised while a frame runs (a model failure, an interrupt)
+            closes the session: its state is no longer consistent.
             WrongThreadError: called from another thread.
         """
         self._check_thread()
         if self._closed:
+            if self._failure:
+                raise SessionClosedError(f"the streaming session failed ({self._failure}); create a new one")
             raise SessionClosedError("the streaming session is closed (flushed or cancelled)")
         chunk = self._validate(samples, sample_rate)
         if chunk.shape[0] == 0:
@@ -150,7 +155,12 @@ class StreamingSession:
                     raise ContextLimitError(self._limit_message(), events)
                 frame = buffered[offset : offset + self.frame_samples]
                 offset += self.frame_samples
-                events.extend(self._step_frame(frame))
+                try:
+                    events.extend(self._step_frame(frame))
+                except BaseException as error:
+                    # A frame failed part-way: its state is not trustworthy any more.
+                    self._fail(error)
+                    raise
         self._pending = buffered[offset:].copy()
         return events
 
@@ -169,6 +179,8 @@ class StreamingSession:
             WrongThreadError: called from another thread.
         """
         self._check_thread()
+        if not isinstance(pad_partial, bool):
+            raise TypeError(f"pad_partial must be True or False, got {pad_partial!r}")
         if self._closed:
             return []
         events: list = []
@@ -182,6 +194,11 @@ class StreamingSession:
         self._close()
         events.append(Done(frame_index=self._frame_index))
         return events
+
+    def _fail(self, error: BaseException) -> None:
+        self._closed = True
+        self._failure = f"{type(error).__name__}: {error}"
+        self._pending = np.zeros(0, dtype=np.float32)
 
     def cancel(self) -> list:
         """Drop pending audio and close; returns ``[Cancelled]`` (``[]`` if already closed)."""
@@ -208,8 +225,13 @@ class StreamingSession:
                 "resample before pushing"
             )
         if isinstance(samples, mx.array):
-            samples = np.array(samples)
-        array = np.asarray(samples)
+            if not mx.issubdtype(samples.dtype, mx.floating):
+                raise AudioShapeError(f"samples must be float PCM in [-1, 1], got MLX dtype {samples.dtype}")
+            samples = np.array(samples.astype(mx.float32))
+        try:
+            array = np.asarray(samples)
+        except ValueError as error:
+            raise AudioShapeError(f"samples are not a rectangular array: {error}") from None
         if array.dtype == object or not (
             np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)
         ):
