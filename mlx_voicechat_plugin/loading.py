@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .checkpoint import MODEL_TYPE, find_config, read_model_type
+from .checkpoint import MODEL_TYPE, find_config
 
 
 class CheckpointError(ValueError):
@@ -36,7 +36,8 @@ def resolve_checkpoint(model: str | Path) -> Path:
         raise CheckpointError(f"{config}: not a readable JSON file ({error})") from None
     if not isinstance(parsed, dict):
         raise CheckpointError(f"{config}: must hold a JSON object")
-    model_type = read_model_type(config)
+    model_type = parsed.get("model_type")
+    model_type = model_type.lower() if isinstance(model_type, str) else None
     if model_type != MODEL_TYPE:
         raise CheckpointError(
             f"{model}: model_type is {model_type!r}, not {MODEL_TYPE!r}"

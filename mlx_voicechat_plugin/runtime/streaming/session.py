@@ -78,7 +78,7 @@ class StreamingSession:
         self._previous_ids = (config.pad_token_id, config.pad_token_id)
         self._closed = False
         self._failure: str | None = None
-        special = {config.pad_token_id, config.silence_token_id, config.bos_token_id, config.eos_token_id}
+        special = self._helper._special_ids()
         self._text = TokenText(tokenizer, special)
         self._function = TokenText(tokenizer, special)
         self._profiling = bool(self.options.profile)
@@ -325,8 +325,6 @@ class StreamingSession:
         return [value for value in arrays if value is not None]
 
     def _step_frame(self, frame: np.ndarray) -> list:
-        if self._at_limit():
-            raise ContextLimitError(self._limit_message())
         clock = FrameClock(self._frame_index, self._profiling, self._sub_stages)
         events: list = []
 
