@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_audio.codec.models.nemotron_voicechat.codec import ConvNeXtBlock1d
 from mlx_audio.dsp import ISTFTCache
+
+from .activations import gelu
+from .parallel import split_columns
 
 
 class ShapeKeyedISTFTCache(ISTFTCache):
@@ -51,28 +55,63 @@ class PatchConvTranspose1d(nn.ConvTranspose1d):
     """``nn.ConvTranspose1d`` with ``stride == kernel_size`` (no overlap, no padding) as a matmul.
 
     Input ``(B, T, C_in)`` -> output ``(B, T * K, C_out)``; same parameters (``weight``
-    ``(C_out, K, C_in)``) and results as the parent class.
+    ``(C_out, K, C_in)``) and results as the parent class. The product is split over two
+    CPU cores (:mod:`.parallel`).
     """
 
     def __call__(self, x: mx.array) -> mx.array:
         out_channels, kernel, in_channels = self.weight.shape
         batch, length, _ = x.shape
         matrix = self.weight.transpose(2, 1, 0).reshape(in_channels, kernel * out_channels)
-        y = (x.reshape(batch * length, in_channels) @ matrix).reshape(batch, length * kernel, out_channels)
+        flat = x.reshape(batch * length, in_channels)
+        y = split_columns(
+            flat, kernel * out_channels, lambda rows, a, b: rows @ matrix[:, a:b], matrix.size
+        ).reshape(batch, length * kernel, out_channels)
         if "bias" in self:
             y = y + self.bias
         return y
 
 
 class PointwiseConv1d(nn.Conv1d):
-    """``nn.Conv1d`` with kernel 1 as one ``addmm`` (same BLAS product, bit-identical)."""
+    """``nn.Conv1d`` with kernel 1 as one ``addmm`` (same BLAS product, bit-identical),
+    split over two CPU cores (:mod:`.parallel`).
 
-    def __call__(self, x: mx.array) -> mx.array:
+    ``activation``, when given, is applied to each half before they are joined (an
+    elementwise function, so the result equals applying it to the joined output).
+    """
+
+    def __call__(self, x: mx.array, activation=None) -> mx.array:
         batch, length, channels = x.shape
         matrix = self.weight[:, 0, :].T
         flat = x.reshape(batch * length, channels)
-        y = mx.addmm(self.bias, flat, matrix) if "bias" in self else flat @ matrix
+        bias = self.bias if "bias" in self else None
+
+        def product(rows, start, stop):
+            columns = matrix[:, start:stop]
+            y = rows @ columns if bias is None else mx.addmm(bias[start:stop], rows, columns)
+            return y if activation is None else activation(y)
+
+        y = split_columns(flat, matrix.shape[1], product, matrix.size)
         return y.reshape(batch, length, -1)
+
+
+class FastConvNeXtBlock1d(ConvNeXtBlock1d):
+    """Upstream ``ConvNeXtBlock1d`` with its GELU from a lookup table (:mod:`.activations`)
+    applied inside the split pointwise product; same parameters, same outputs."""
+
+    def __call__(self, inputs: mx.array, *, cache=None, flush: bool = False) -> mx.array:
+        residual = inputs
+        if cache is None:
+            hidden = mx.pad(inputs, ((0, 0), (self.kernel_size - 1, 0), (0, 0)))
+        else:
+            hidden = cache.update(inputs, self.layer_id, self.kernel_size - 1, flush=flush)
+        hidden = self.norm(self.dwconv(hidden))
+        if isinstance(self.pwconv1, PointwiseConv1d):
+            hidden = self.pwconv1(hidden, activation=gelu)
+        else:
+            hidden = gelu(self.pwconv1(hidden))
+        hidden = self.pwconv2(hidden)
+        return residual + hidden
 
 
 def _pointwise(conv: nn.Conv1d) -> PointwiseConv1d:
@@ -81,8 +120,9 @@ def _pointwise(conv: nn.Conv1d) -> PointwiseConv1d:
 
 
 def install_patch_upsampling(decoder) -> int:
-    """Swap the decoder's non-overlapping ``ConvTranspose1d`` layers and the ConvNeXt blocks'
-    pointwise convolutions for their matmul forms; returns how many modules changed."""
+    """Swap the decoder's non-overlapping ``ConvTranspose1d`` layers, the ConvNeXt blocks
+    (lookup-table GELU) and every pointwise convolution for their matmul forms; returns how
+    many modules changed."""
     replaced = 0
     for index, layer in enumerate(decoder.layers):
         if type(layer) is nn.ConvTranspose1d and layer.stride == layer.weight.shape[1] and layer.padding == 0:
@@ -92,8 +132,12 @@ def install_patch_upsampling(decoder) -> int:
             )
             decoder.layers[index] = patch
             replaced += 1
-        elif hasattr(layer, "pwconv1"):
+        elif type(layer) is ConvNeXtBlock1d:
+            layer.__class__ = FastConvNeXtBlock1d
             layer.pwconv1 = _pointwise(layer.pwconv1)
             layer.pwconv2 = _pointwise(layer.pwconv2)
-            replaced += 2
+            replaced += 3
+        elif type(layer) is nn.Conv1d and layer.weight.shape[1] == 1 and layer.groups == 1 and layer.stride == 1 and layer.padding == 0:
+            decoder.layers[index] = _pointwise(layer)
+            replaced += 1
     return replaced

@@ -9,8 +9,10 @@ Differences from upstream ``mlx_vlm.models.nemotron_voicechat.Model`` (and why):
   frame; the memory cost is kept in :attr:`Model.pinning`;
 * bit-identical speed-ups (each proven by tests against upstream): the codec's iSTFT
   normalisation cache is keyed on shapes and its non-overlapping upsampling runs as a
-  matmul (:mod:`.codec`), the encoder's steady-state positional projection is memoised
-  (:mod:`.encoder`), and EAR-TTS caches its codebook tables (:mod:`.tts`);
+  matmul and its GELU is a table lookup (:mod:`.codec`, :mod:`.activations`), the
+  encoder's steady-state positional projection is memoised (:mod:`.encoder`), EAR-TTS
+  caches its codebook tables (:mod:`.tts`), and on the CPU every large matrix product
+  runs on two cores, split by output columns (:mod:`.parallel`);
 * ``create_session`` returns :class:`~mlx_voicechat_plugin.runtime.offline.OfflineSession`
   (cached O(T) loop by default, input validation, progress), and the tokenizer is loaded
   from the checkpoint when the caller has none.
@@ -25,6 +27,7 @@ from mlx_vlm.models.nemotron_voicechat.model import Model as UpstreamModel
 
 from .codec import ShapeKeyedISTFTCache, install_patch_upsampling
 from .encoder import install_position_cache
+from .parallel import install_split_linears
 from .pinning import PinningReport, pin_f32_weights, pinning_enabled
 from .tts import FastRVQEARTTSModel
 from .validation import validate_config
@@ -61,6 +64,8 @@ class Model(UpstreamModel):
         result = super().load_weights(file_or_weights, strict=strict)
         if pinning_enabled():
             self.pinning = pin_f32_weights(self)
+        # After loading: mlx-vlm quantizes (replacing Linear modules) before this call.
+        install_split_linears(self)
         self.clear_caches()
         return result
 

@@ -23,6 +23,8 @@ from mlx_audio.codec.models.nemotron_voicechat import CausalConv1dCache
 from mlx_audio.stt.models.nemotron_asr import tokenizer as rnnt_tokenizer
 from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram_frames
 
+from ...model.parallel import on_side_stream
+
 
 class MelFrontend:
     """Incremental centered log-mel with its sample tail in host memory.
@@ -71,7 +73,9 @@ class TranscriptState:
     """Greedy RNNT decoding state (last emitted token, LSTM state, transcript).
 
     Same decisions as upstream ``streaming._RNNTState`` (per encoder frame, emit symbols
-    until blank or ``max_symbols``) without a host round trip per symbol: the first step
+    until blank or ``max_symbols``) without a host round trip per symbol, on its own CPU
+    stream (:func:`~mlx_voicechat_plugin.model.parallel.on_side_stream`) so it runs
+    beside the language model, EAR-TTS and the codec: the first step
     (:meth:`schedule`) is read back together with the LLM's ids; only when it is not
     blank are the remaining steps built (:meth:`schedule_rest`), masked after the first
     blank, and evaluated with the frame's outputs. Each step makes exactly the upstream
@@ -106,10 +110,11 @@ class TranscriptState:
         """
         blank = self.model.config.rnnt_blank_id
         self._encoded = encoded
-        token = mx.array([[self.last_token]], dtype=mx.int32) if self.last_token != blank else None
-        symbol, hidden = self._decode(token, self.hidden, encoded)
-        self._scheduled = hidden
-        return mx.where(symbol != blank, symbol, -1).reshape(1)
+        with on_side_stream():
+            token = mx.array([[self.last_token]], dtype=mx.int32) if self.last_token != blank else None
+            symbol, hidden = self._decode(token, self.hidden, encoded)
+            self._scheduled = hidden
+            return mx.where(symbol != blank, symbol, -1).reshape(1)
 
     def schedule_rest(self, first: int) -> mx.array | None:
         """After a non-blank first symbol, lazily run the remaining ``max_symbols - 1`` steps.
@@ -126,18 +131,19 @@ class TranscriptState:
         if first < 0 or steps < 2:
             return None
         encoded, hidden = self._encoded, self._scheduled
-        last = mx.array([[first]], dtype=mx.int32)
-        active = mx.array(True)
-        symbols = []
-        for _ in range(1, steps):
-            symbol, proposed = self._decode(last, hidden, encoded)
-            emit = active & (symbol != blank)
-            last = mx.where(emit, symbol, last)
-            hidden = tuple(mx.where(emit, new, old) for new, old in zip(proposed, hidden))
-            symbols.append(mx.where(emit, symbol, -1))
-            active = emit
-        self._scheduled = hidden
-        return mx.stack(symbols).reshape(-1)
+        with on_side_stream():
+            last = mx.array([[first]], dtype=mx.int32)
+            active = mx.array(True)
+            symbols = []
+            for _ in range(1, steps):
+                symbol, proposed = self._decode(last, hidden, encoded)
+                emit = active & (symbol != blank)
+                last = mx.where(emit, symbol, last)
+                hidden = tuple(mx.where(emit, new, old) for new, old in zip(proposed, hidden))
+                symbols.append(mx.where(emit, symbol, -1))
+                active = emit
+            self._scheduled = hidden
+            return mx.stack(symbols).reshape(-1)
 
     def _decode(self, token, hidden, encoded):
         """One upstream decode step: ``decoder(token, hidden)`` then the joint's argmax."""

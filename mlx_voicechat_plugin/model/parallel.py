@@ -1,0 +1,172 @@
+"""Two-core matrix products on MLX's CPU backend, bit-identical to one product.
+
+MLX's CPU backend runs every stream on its own thread, but one operation uses one core:
+on a two-core machine half the CPU sits idle while a frame runs. Matrix products are
+split here into two halves along their **output** columns (``y = x @ W.T`` becomes
+``[x @ W[:h].T, x @ W[h:].T]``), the second half on a second CPU stream, and joined.
+
+Why this is exact: each output element of a product is the same dot product over the same
+inputs in either form. MLX computes float32 products with BLAS and bfloat16/float16 ones
+by converting to float32, multiplying with BLAS and rounding once (checked by
+``tests/test_parallel.py``); the reference BLAS accumulates every element sequentially
+over the shared dimension whatever the matrix shapes, and quantized products dequantize
+each output row with its own scales. Splitting the output therefore changes which thread
+computes an element, never how. Tests compare every swapped module with upstream bit for
+bit, and the parity tests compare ids and codes against the upstream model.
+
+The split is used only when the default device is the CPU (on a GPU the second stream
+would move work off the GPU), when the machine has at least two cores, for products whose
+weight has at least :data:`MIN_SPLIT_ELEMENTS` elements (smaller ones cost more to join
+than they save), and unless ``MLX_VOICECHAT_CPU_SPLIT=0``.
+
+MLX streams belong to the thread that created them, so each thread gets its own streams
+(:func:`secondary_stream`, :func:`side_stream`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import mlx.core as mx
+import mlx.nn as nn
+
+#: Environment switch: ``0`` keeps every product on one stream.
+SPLIT_ENV = "MLX_VOICECHAT_CPU_SPLIT"
+#: Smallest weight (elements) whose product is split across the two cores.
+MIN_SPLIT_ELEMENTS = 1 << 12
+
+_local = threading.local()
+
+
+def split_enabled() -> bool:
+    """True unless ``MLX_VOICECHAT_CPU_SPLIT=0`` or the machine has one core."""
+    if os.environ.get(SPLIT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return (os.cpu_count() or 1) >= 2
+
+
+def _stream(name: str) -> mx.Stream:
+    stream = getattr(_local, name, None)
+    if stream is None:
+        stream = mx.new_stream(mx.cpu)
+        setattr(_local, name, stream)
+    return stream
+
+
+def secondary_stream() -> mx.Stream:
+    """This thread's second CPU stream (the other half of split products)."""
+    return _stream("secondary")
+
+
+def side_stream() -> mx.Stream:
+    """This thread's third CPU stream, for independent work (the RNNT transcript) that
+    must not queue in front of split products."""
+    return _stream("side")
+
+
+def on_side_stream():
+    """Context manager: build the enclosed operations on :func:`side_stream` (CPU, split
+    enabled), so they run concurrently with the main stream's work; otherwise a no-op."""
+    if mx.default_device() != mx.cpu or not split_enabled():
+        return contextlib.nullcontext()
+    return mx.stream(side_stream())
+
+
+def split_stream(weight_elements: int) -> mx.Stream | None:
+    """The stream for the second half of a product with a weight of ``weight_elements``
+    elements, or None when the product should not be split (see the module docstring).
+
+    Products issued while the secondary or side stream is current are not split.
+    """
+    if weight_elements < MIN_SPLIT_ELEMENTS or mx.default_device() != mx.cpu or not split_enabled():
+        return None
+    current = mx.default_stream(mx.cpu)
+    secondary = secondary_stream()
+    side = getattr(_local, "side", None)
+    if current == secondary or (side is not None and current == side):
+        return None
+    return secondary
+
+
+def split_columns(x: mx.array, outputs: int, product, weight_elements: int) -> mx.array:
+    """``product(x, start, stop)`` for output columns ``[0, outputs)``, in two halves.
+
+    Args:
+        x: the input, shared by both halves.
+        outputs: number of output columns (last axis of the result).
+        product: ``product(x, start, stop) -> (..., stop - start)``, the columns
+            ``[start, stop)`` of the full result.
+        weight_elements: size of the weight, to decide whether splitting pays.
+
+    Returns:
+        The full ``(..., outputs)`` result, identical to ``product(x, 0, outputs)``.
+    """
+    other = split_stream(weight_elements) if outputs >= 2 else None
+    if other is None:
+        return product(x, 0, outputs)
+    half = outputs // 2
+    first = product(x, 0, half)
+    with mx.stream(other):
+        second = product(x, half, outputs)
+    return mx.concatenate([first, second], axis=-1)
+
+
+class SplitLinear(nn.Linear):
+    """``nn.Linear`` whose product runs on two CPU cores (same parameters, same result)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight = self["weight"]
+        bias = self["bias"] if "bias" in self else None
+
+        def product(inputs, start, stop):
+            rows = weight[start:stop]
+            if bias is None:
+                return inputs @ rows.T
+            return mx.addmm(bias[start:stop], inputs, rows.T)
+
+        return split_columns(x, weight.shape[0], product, weight.size)
+
+
+class SplitQuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` whose product runs on two CPU cores (same result).
+
+    Each half takes whole output rows of the packed weight with their scales and biases.
+    """
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight, scales = self["weight"], self["scales"]
+        biases = self.get("biases")
+
+        def product(inputs, start, stop):
+            return mx.quantized_matmul(
+                inputs,
+                weight[start:stop],
+                scales=scales[start:stop],
+                biases=None if biases is None else biases[start:stop],
+                transpose=True,
+                group_size=self.group_size,
+                bits=self.bits,
+                mode=self.mode,
+            )
+
+        elements = weight.shape[0] * scales.shape[-1] * self.group_size
+        x = split_columns(x, weight.shape[0], product, elements)
+        if "bias" in self:
+            x = x + self["bias"]
+        return x
+
+
+def install_split_linears(module: nn.Module) -> int:
+    """Give every plain ``nn.Linear`` / ``nn.QuantizedLinear`` under ``module`` its
+    two-core class (parameters untouched); returns how many changed."""
+    changed = 0
+    for _, child in module.named_modules():
+        if type(child) is nn.Linear:
+            child.__class__ = SplitLinear
+            changed += 1
+        elif type(child) is nn.QuantizedLinear:
+            child.__class__ = SplitQuantizedLinear
+            changed += 1
+    return changed
