@@ -78,9 +78,12 @@ def split_stream(weight_elements: int) -> mx.Stream | None:
     """The stream for the second half of a product with a weight of ``weight_elements``
     elements, or None when the product should not be split (see the module docstring).
 
-    Products issued while the secondary or side stream is current are not split.
+    Products issued while the secondary or side stream is current, or inside a half of
+    another split (:func:`split_rows`), are not split.
     """
-    if weight_elements < MIN_SPLIT_ELEMENTS or mx.default_device() != mx.cpu or not split_enabled():
+    if weight_elements < MIN_SPLIT_ELEMENTS or getattr(_local, "inside", False):
+        return None
+    if mx.default_device() != mx.cpu or not split_enabled():
         return None
     current = mx.default_stream(mx.cpu)
     secondary = secondary_stream()
@@ -113,20 +116,75 @@ def split_columns(x: mx.array, outputs: int, product, weight_elements: int) -> m
     return mx.concatenate([first, second], axis=-1)
 
 
+def split_rows(x: mx.array, product, weight_elements: int) -> mx.array:
+    """``product(x)`` for a row-wise product (``(..., K) -> (..., N)``, each output row a
+    function of its input row alone), with the rows split in two halves across the cores.
+
+    Returns the same array as ``product(x)``.
+    """
+    leading = x.shape[:-1]
+    rows = 1
+    for size in leading:
+        rows *= size
+    other = split_stream(weight_elements) if rows >= 2 else None
+    if other is None:
+        return product(x)
+    flat = x.reshape(rows, x.shape[-1])
+    half = rows // 2
+    _local.inside = True
+    try:
+        first = product(flat[:half])
+        with mx.stream(other):
+            second = product(flat[half:])
+    finally:
+        _local.inside = False
+    joined = mx.concatenate([first, second], axis=0)
+    return joined.reshape(*leading, joined.shape[-1])
+
+
+def store_transposed(linear: nn.Linear) -> None:
+    """Hold a float32 ``linear.weight`` ``(N, K)`` as the transpose of a row-contiguous
+    ``(K, N)`` array: same values, shape and name, no extra memory.
+
+    MLX's CPU product ``x @ weight.T`` then hands BLAS a row-major ``(K, N)`` operand,
+    whose reference implementation runs its vectorisable loop form: 1.5-1.9x faster than
+    the ``(N, K)`` layout for the few-row products of a streamed frame, with the same sums.
+    (bfloat16/float16 products convert the weight to float32 first, so their layout does
+    not matter.)
+    """
+    weight = linear["weight"]
+    if weight.dtype == mx.float32 and weight.ndim == 2:
+        transposed = mx.contiguous(weight.T)
+        mx.eval(transposed)
+        linear.weight = transposed.T
+
+
 class SplitLinear(nn.Linear):
-    """``nn.Linear`` whose product runs on two CPU cores (same parameters, same result)."""
+    """``nn.Linear`` whose product runs on two CPU cores (same parameters, same result).
+
+    float32 weights (held by :func:`store_transposed`) split the input rows, so each core
+    reads a well-laid-out weight; other dtypes split the output columns.
+    """
 
     def __call__(self, x: mx.array) -> mx.array:
         weight = self["weight"]
         bias = self["bias"] if "bias" in self else None
+        if weight.dtype == mx.float32:
 
-        def product(inputs, start, stop):
+            def whole(inputs):
+                if bias is None:
+                    return inputs @ weight.T
+                return mx.addmm(bias, inputs, weight.T)
+
+            return split_rows(x, whole, weight.size)
+
+        def columns(inputs, start, stop):
             rows = weight[start:stop]
             if bias is None:
                 return inputs @ rows.T
             return mx.addmm(bias[start:stop], inputs, rows.T)
 
-        return split_columns(x, weight.shape[0], product, weight.size)
+        return split_columns(x, weight.shape[0], columns, weight.size)
 
 
 class SplitQuantizedLinear(nn.QuantizedLinear):
@@ -160,13 +218,19 @@ class SplitQuantizedLinear(nn.QuantizedLinear):
 
 def install_split_linears(module: nn.Module) -> int:
     """Give every plain ``nn.Linear`` / ``nn.QuantizedLinear`` under ``module`` its
-    two-core class (parameters untouched); returns how many changed."""
+    two-core class (parameter values untouched; float32 weights re-laid out by
+    :func:`store_transposed` when the default device is the CPU); returns how many changed.
+    """
     changed = 0
+    relayout = mx.default_device() == mx.cpu
     for _, child in module.named_modules():
         if type(child) is nn.Linear:
             child.__class__ = SplitLinear
-            changed += 1
+            if relayout:
+                store_transposed(child)
         elif type(child) is nn.QuantizedLinear:
             child.__class__ = SplitQuantizedLinear
-            changed += 1
+        else:
+            continue
+        changed += 1
     return changed
