@@ -111,7 +111,12 @@ def main(argv: list[str] | None = None) -> int:
             f"Python {m['python']}, MLX {m['mlx']} ({m['device']}). Matrix-vector bandwidth "
             f"{results['matvec_bandwidth_gbps']:.2f} GB/s.\n\n"
             "## Streaming (per 80 ms frame, 5 cold frames dropped, runs interleaved)\n\n"
-            f"{summary}\n\n{stages}\n\n"
+            "Wall time of each one-frame `push_audio` call with profiling off:\n\n"
+            f"{summary}\n\n"
+            "Per-stage times with profiling on (every stage boundary is evaluated, which "
+            "serialises work our two CPU streams otherwise overlap, so these totals exceed the "
+            "wall times above):\n\n"
+            f"{stages}\n\n"
             + (f"## Offline turn\n\n{offline_text}\n\n" if offline_text else "")
             + "## Memory\n\n| checkpoint | f32 pinning extra MiB | RSS growth at load MiB | peak RSS MiB |\n"
             "|---|---:|---:|---:|\n" + memory + "\n"

@@ -1,6 +1,18 @@
-"""Streaming benchmark: per-stage frame times of ours and upstream, interleaved."""
+"""Streaming benchmark: frame times of ours and upstream, interleaved.
+
+Two measurements per repetition and side:
+
+* **wall**: profiling off, the wall time of each ``push_audio`` call (one 80 ms frame
+  each). This is the real per-frame cost and the headline figure: with profiling off our
+  session evaluates each frame's graph in one go, so its two CPU streams overlap work.
+* **stages**: profiling on, per-stage times. The profiler forces evaluation at every stage
+  boundary (upstream's does the same), which serialises work that otherwise overlaps, so
+  these totals are higher than the wall times; they show where the time goes.
+"""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -39,6 +51,46 @@ def _upstream(model, processor, samples):
     return rows, ids
 
 
+def _wall(push, samples, to_input):
+    """Per-frame wall ms of ``push`` (cold frames dropped) and the events."""
+    times, events = [], []
+    for start in range(0, samples.shape[0] - FRAME + 1, FRAME):
+        chunk = to_input(samples[start : start + FRAME])
+        began = time.perf_counter()
+        events += push(chunk)
+        times.append((time.perf_counter() - began) * 1000.0)
+    return times[COLD_FRAMES:], events
+
+
+def _ours_wall(model, tokenizer, samples):
+    session = model.create_streaming_session(processor=tokenizer, seed=0, profile=False)
+    times, events = _wall(session.push_audio, samples, lambda chunk: chunk)
+    session.flush()
+    codes = [tuple(e.audio_codes) for e in events if e.kind == "audio"]
+    text = [(e.frame_index, e.token_id) for e in events if e.kind == "assistant_text_delta"]
+    return times, (codes, text)
+
+
+def _upstream_wall(model, processor, samples):
+    import mlx.core as mx
+
+    session = model.create_session(processor).create_streaming_session(seed=0, profile=False)
+    times, events = _wall(session.push_audio, samples, mx.array)
+    session.flush()
+    codes = [tuple(e.audio_codes.tolist()) for e in events if e.kind == "audio" and e.audio_codes is not None]
+    text = [(e.frame_index, e.token_id) for e in events if e.kind == "assistant_text_delta"]
+    return times, (codes, text)
+
+
+def _summary(values: list[float]) -> dict:
+    array = np.array(values)
+    return {
+        "mean_ms": float(array.mean()),
+        "p50_ms": float(np.percentile(array, 50)),
+        "p95_ms": float(np.percentile(array, 95)),
+    }
+
+
 def _stats(rows: list[dict]) -> dict:
     out = {}
     for stage in STAGES:
@@ -55,9 +107,17 @@ def run(ours, tokenizer, upstream, processor, samples: np.ndarray, repeats: int)
     """Warm up both, then ``repeats`` interleaved runs; cold frames dropped."""
     _ours(ours, tokenizer, samples)
     _upstream(upstream, processor, samples)
+    _ours_wall(ours, tokenizer, samples)
+    _upstream_wall(upstream, processor, samples)
     our_rows, up_rows, syncs = [], [], []
+    our_wall, up_wall = [], []
     identical = True
     for _ in range(repeats):
+        times, our_events = _ours_wall(ours, tokenizer, samples)
+        our_wall += times
+        times, up_events = _upstream_wall(upstream, processor, samples)
+        up_wall += times
+        identical &= our_events == up_events and bool(our_events[0])
         rows, frame_syncs, our_ids = _ours(ours, tokenizer, samples)
         our_rows += rows
         syncs += frame_syncs
@@ -65,15 +125,19 @@ def run(ours, tokenizer, upstream, processor, samples: np.ndarray, repeats: int)
         up_rows += rows
         identical &= our_ids == up_ids
     ours_stats, up_stats = _stats(our_rows), _stats(up_rows)
+    ours_wall, upstream_wall = _summary(our_wall), _summary(up_wall)
     return {
         "frames_per_run": len(our_rows) // max(repeats, 1),
         "repeats": repeats,
         "events_identical": bool(identical),
+        "ours_wall": ours_wall,
+        "upstream_wall": upstream_wall,
         "ours": ours_stats,
         "upstream": up_stats,
-        "ours_realtime_factor": ours_stats["total"]["mean_ms"] / 80.0,
-        "upstream_realtime_factor": up_stats["total"]["mean_ms"] / 80.0,
+        "ours_realtime_factor": ours_wall["mean_ms"] / 80.0,
+        "upstream_realtime_factor": upstream_wall["mean_ms"] / 80.0,
         "ours_host_syncs": {"mean": float(np.mean(syncs)), "max": int(np.max(syncs))},
-        "speedup_mean": up_stats["total"]["mean_ms"] / ours_stats["total"]["mean_ms"],
-        "ratio_mean": ours_stats["total"]["mean_ms"] / up_stats["total"]["mean_ms"],
+        "speedup_mean": upstream_wall["mean_ms"] / ours_wall["mean_ms"],
+        "ratio_mean": ours_wall["mean_ms"] / upstream_wall["mean_ms"],
+        "profiled_speedup_mean": up_stats["total"]["mean_ms"] / ours_stats["total"]["mean_ms"],
     }

@@ -1,6 +1,6 @@
 """Codec speed-ups that leave every output bit unchanged.
 
-:class:`PointwiseConv1d`: the ConvNeXt blocks' kernel-1 convolutions as one ``addmm``.
+:class:`PointwiseConv1d`: the kernel-1 convolutions as a matrix product plus bias.
 
 :class:`PatchConvTranspose1d`: the decoder's upsampling layers are transposed convolutions
 whose stride equals their kernel, so windows never overlap and each is one matrix product
@@ -73,8 +73,8 @@ class PatchConvTranspose1d(nn.ConvTranspose1d):
 
 
 class PointwiseConv1d(nn.Conv1d):
-    """``nn.Conv1d`` with kernel 1 as one ``addmm`` (same BLAS product, bit-identical),
-    split over two CPU cores (:mod:`.parallel`).
+    """``nn.Conv1d`` with kernel 1 as a matrix product plus bias (same BLAS product and the
+    same rounding, bit-identical), split over two CPU cores (:mod:`.parallel`).
 
     ``activation``, when given, is applied to each half before they are joined (an
     elementwise function, so the result equals applying it to the joined output).
@@ -87,8 +87,11 @@ class PointwiseConv1d(nn.Conv1d):
         bias = self.bias if "bias" in self else None
 
         def product(rows, start, stop):
-            columns = matrix[:, start:stop]
-            y = rows @ columns if bias is None else mx.addmm(bias[start:stop], rows, columns)
+            # The bias is added to the rounded product, as nn.Conv1d does (an addmm would
+            # start the sum from the bias and round once: not the same bits).
+            y = rows @ matrix[:, start:stop]
+            if bias is not None:
+                y = y + bias[start:stop]
             return y if activation is None else activation(y)
 
         y = split_columns(flat, matrix.shape[1], product, matrix.size)

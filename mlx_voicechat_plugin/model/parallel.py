@@ -172,9 +172,11 @@ class SplitLinear(nn.Linear):
         if weight.dtype == mx.float32:
 
             def whole(inputs):
+                # Not addmm: with this layout BLAS would start the sum from the bias,
+                # whereas the (N, K) layout adds the bias to the finished sum.
                 if bias is None:
                     return inputs @ weight.T
-                return mx.addmm(bias, inputs, weight.T)
+                return (inputs @ weight.T) + bias
 
             return split_rows(x, whole, weight.size)
 

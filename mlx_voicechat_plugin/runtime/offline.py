@@ -7,7 +7,10 @@
   defaults to recomputing the whole history at every position, O(T^2));
   ``use_language_cache=False`` keeps the reference recompute as a diagnostic;
 * the input is validated and capped up front (20 min of input, 600 s of extra silence);
-* one host readback per position (text and function ids together);
+* one host readback per position (text and function ids and the first RNNT symbol
+  together); the RNNT transcript is decoded frame by frame inside the loop on its own CPU
+  stream (:class:`~.streaming.stages.TranscriptState`, the same greedy decisions as the
+  reference's ``_rnnt_decode``) instead of in a separate pass with a readback per symbol;
 * the session's RNG key is its own (:class:`~.rng.SessionRNG`), so seed ``s`` reproduces
   the reference's ``mx.random.seed(s)`` draws without disturbing other users of MLX's RNG;
 * a ``progress`` callback and the function-channel text in the result.
@@ -276,6 +279,12 @@ class OfflineSession(VoiceChatSession):
         cache = stt.make_cache() if use_language_cache else None
         history: list[mx.array] = []
 
+        from .streaming.stages import TranscriptState
+
+        transcript = TranscriptState(model)
+        if not transcript.enabled:
+            transcript = None
+
         prompt = self._tts_prompt()
         _, tts_cache = tts.warmup(*prompt[:-1], audio_prompt_latent=prompt[-1], guidance=True)
         previous_code = prompt[0][:, -1:]
@@ -296,14 +305,21 @@ class OfflineSession(VoiceChatSession):
             else:
                 history.append(fused)
                 output = stt(mx.concatenate(history, axis=1))
+            rest = None
             if time >= prompt_frames:
-                ids = mx.stack(
-                    [
-                        mx.argmax(output.text_logits[0, -1]),
-                        mx.argmax(output.function_logits[0, -1]),
-                    ]
-                )
-                text[time], function[time] = ids.tolist()
+                ids = [
+                    mx.argmax(output.text_logits[0, -1], keepdims=True).astype(mx.int32),
+                    mx.argmax(output.function_logits[0, -1], keepdims=True).astype(mx.int32),
+                ]
+                if transcript is not None:
+                    # The RNNT transcript of this audio frame, on its own stream (beside
+                    # the LLM), read back with the ids; see TranscriptState.
+                    audio_index = time - prompt_frames
+                    ids.append(transcript.schedule(asr_embeds[:, audio_index : audio_index + 1]))
+                values = mx.concatenate(ids).tolist()
+                text[time], function[time] = values[0], values[1]
+                if transcript is not None:
+                    rest = transcript.schedule_rest(values[2])
             if time > 0:
                 # The reference warms the LLM at position 0 without a TTS code; every later
                 # position (the prompt prefix included) advances EAR-TTS by one frame.
@@ -314,7 +330,12 @@ class OfflineSession(VoiceChatSession):
                     previous_code, current, mx.ones(current.shape, dtype=mx.bool_), tts_cache, guidance=True
                 ).codes
                 codes.append(previous_code)
-            mx.eval(previous_code, output.text_logits, output.function_logits)
+            extra = [rest] if rest is not None else []
+            if transcript is not None:
+                extra += transcript.state_arrays()
+            mx.eval(previous_code, output.text_logits, output.function_logits, *extra)
+            if transcript is not None and time >= prompt_frames:
+                transcript.commit(values[2:] + (rest.tolist() if rest is not None else []))
             if progress is not None:
                 progress(time + 1, total)
 
@@ -327,7 +348,7 @@ class OfflineSession(VoiceChatSession):
         return OfflineResult(
             text=self.decode_tokens(text),
             function_text=self.decode_tokens(function),
-            user_transcript=self._rnnt_decode(asr_embeds, audio_frames),
+            user_transcript=None if transcript is None else transcript.text,
             audio=np.array(decoded[0, 0].astype(mx.float32)),
             sample_rate=config.output_sample_rate,
             text_tokens=text,

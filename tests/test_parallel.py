@@ -1,0 +1,183 @@
+"""Two-core products, transposed f32 weights and the GELU table: bit-identical to MLX's own."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+from mlx_audio.codec.models.nemotron_voicechat import CausalConv1dCache
+from mlx_audio.codec.models.nemotron_voicechat.codec import ConvNeXtBlock1d
+
+from mlx_voicechat_plugin.model import activations, parallel
+from mlx_voicechat_plugin.model.codec import FastConvNeXtBlock1d, PointwiseConv1d, _pointwise
+from mlx_voicechat_plugin.model.parallel import (
+    SplitLinear,
+    SplitQuantizedLinear,
+    install_split_linears,
+    split_stream,
+    store_transposed,
+)
+
+
+@pytest.fixture
+def always_split(monkeypatch):
+    """Split every product, however small, on both streams."""
+    monkeypatch.setattr(parallel, "MIN_SPLIT_ELEMENTS", 0)
+    monkeypatch.setenv(parallel.SPLIT_ENV, "1")
+
+
+def _pair(inputs, outputs, bias, dtype):
+    reference = nn.Linear(inputs, outputs, bias=bias)
+    reference.update(tree_map(lambda a: a.astype(dtype), reference.parameters()))
+    fast = nn.Linear(inputs, outputs, bias=bias)
+    fast.update(reference.parameters())
+    assert install_split_linears(fast) == 1
+    return reference, fast
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 64), (2, 1, 64), (5, 3, 64), (441, 64)])
+def test_split_linear_equals_linear(always_split, dtype, bias, shape):
+    reference, fast = _pair(64, 96, bias, dtype)
+    assert isinstance(fast, SplitLinear)
+    x = mx.random.normal(shape).astype(dtype)
+    expected, got = reference(x), fast(x)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert mx.array_equal(got, expected).item()
+
+
+def test_store_transposed_keeps_values_shape_and_name():
+    linear = nn.Linear(32, 48)
+    before = np.array(linear.weight)
+    store_transposed(linear)
+    assert linear.weight.shape == (48, 32)
+    np.testing.assert_array_equal(np.array(linear.weight), before)
+    assert [name for name, _ in nn.Module.named_modules(linear)] == [""]
+    assert sorted(linear.parameters()) == ["bias", "weight"]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_split_quantized_linear_equals_quantized_linear(always_split, bits):
+    base = nn.Linear(128, 256, bias=True)
+    reference = nn.QuantizedLinear.from_linear(base, group_size=64, bits=bits)
+    fast = nn.QuantizedLinear.from_linear(base, group_size=64, bits=bits)
+    install_split_linears(fast)
+    assert isinstance(fast, SplitQuantizedLinear)
+    for shape in [(1, 1, 128), (3, 128)]:
+        x = mx.random.normal(shape).astype(mx.bfloat16)
+        assert mx.array_equal(fast(x), reference(x)).item()
+
+
+def test_bf16_product_is_an_f32_product_rounded_once():
+    """The exactness argument in ``parallel``'s docstring: if MLX ever changes how it
+    multiplies bfloat16 on the CPU, this fails first."""
+    rng = np.random.default_rng(0)
+    for m, k, n in [(1, 512, 2048), (9, 256, 1024), (441, 64, 256)]:
+        a = mx.array(rng.standard_normal((m, k)), dtype=mx.bfloat16)
+        b = mx.array(rng.standard_normal((k, n)) * 0.05, dtype=mx.bfloat16)
+        emulated = (a.astype(mx.float32) @ b.astype(mx.float32)).astype(mx.bfloat16)
+        assert mx.array_equal(a @ b, emulated).item()
+
+
+def test_split_follows_the_switch_size_and_streams(monkeypatch):
+    monkeypatch.setattr(parallel, "MIN_SPLIT_ELEMENTS", 100)
+    monkeypatch.setenv(parallel.SPLIT_ENV, "1")
+    assert split_stream(99) is None  # too small to pay for the join
+    assert split_stream(100) == parallel.secondary_stream()
+    with mx.stream(parallel.secondary_stream()):
+        assert split_stream(1000) is None  # no split from the second stream itself
+    with parallel.on_side_stream():
+        assert mx.default_stream(mx.cpu) == parallel.side_stream()
+        assert split_stream(1000) is None
+    monkeypatch.setenv(parallel.SPLIT_ENV, "0")
+    assert split_stream(1000) is None
+    with parallel.on_side_stream():
+        assert mx.default_stream(mx.cpu) != parallel.side_stream()
+
+
+def test_split_products_work_from_another_thread(always_split):
+    """MLX streams belong to their thread: the server's engine thread gets its own."""
+    reference, fast = _pair(64, 96, True, mx.bfloat16)
+    x = mx.random.normal((2, 64)).astype(mx.bfloat16)
+    expected = reference(x)
+    mx.eval(x, expected)  # lazy arrays belong to the stream (thread) that built them
+    results = {}
+
+    def worker():
+        try:
+            results["equal"] = mx.array_equal(fast(x), expected).item()
+        except Exception as error:  # pragma: no cover - reported below
+            results["error"] = repr(error)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert results == {"equal": True}
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_gelu_table_matches_gelu_on_every_bit_pattern(dtype):
+    patterns = mx.arange(1 << 16, dtype=mx.uint32).astype(mx.uint16).view(dtype)
+    assert mx.array_equal(activations.gelu(patterns), nn.gelu(patterns), equal_nan=True).item()
+    shaped = mx.random.normal((2, 7, 33)).astype(dtype) * 4
+    assert mx.array_equal(activations.gelu(shaped), nn.gelu(shaped)).item()
+
+
+def test_gelu_falls_back_for_float32():
+    x = mx.random.normal((5, 9))
+    assert mx.array_equal(activations.gelu(x), nn.gelu(x)).item()
+    with pytest.raises(ValueError, match="16-bit"):
+        activations.gelu_table(mx.float32)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("length", [1, 9, 63])
+def test_fast_convnext_block_equals_upstream(always_split, dtype, length):
+    reference = ConvNeXtBlock1d(32, 7, layer_id=3)
+    reference.update(tree_map(lambda a: (a + 0.1 * mx.random.normal(a.shape)).astype(dtype), reference.parameters()))
+    fast = ConvNeXtBlock1d(32, 7, layer_id=3)
+    fast.update(reference.parameters())
+    fast.__class__ = FastConvNeXtBlock1d
+    fast.pwconv1 = _pointwise(fast.pwconv1)
+    fast.pwconv2 = _pointwise(fast.pwconv2)
+    fast.update(reference.parameters())
+    assert isinstance(fast.pwconv1, PointwiseConv1d)
+    x = mx.random.normal((1, length, 32)).astype(dtype)
+    assert mx.array_equal(fast(x), reference(x)).item()
+    cached_fast, cached_reference = CausalConv1dCache(), CausalConv1dCache()
+    for _ in range(3):  # the streaming path, state carried between calls
+        x = mx.random.normal((1, length, 32)).astype(dtype)
+        assert mx.array_equal(fast(x, cache=cached_fast), reference(x, cache=cached_reference)).item()
+
+
+def test_model_uses_two_core_products(models):
+    ours, *_ = models("tiny")
+    linears = [m for _, m in ours.named_modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m, SplitLinear) or type(m) is not nn.Linear for m in linears)
+    pinned = ours.tts_model.tts_model.mog_head.mlp_stack[0].mlp.gate_proj.weight
+    assert pinned.dtype == mx.float32
+    decoder = ours.tts_model.audio_codec.decoder
+    assert any(isinstance(layer, FastConvNeXtBlock1d) for layer in decoder.layers)
+    assert isinstance(decoder.layers[-1], PointwiseConv1d)
+
+
+def test_streaming_parity_with_every_product_split(always_split, models, speech_16k):
+    """End to end on the tiny checkpoint with every product split (its layers are below the
+    default size): the same events as upstream's streaming session."""
+    ours, tokenizer, upstream, processor = models("tiny")
+    samples = np.concatenate([speech_16k[: 16000], np.zeros(8000, np.float32)])
+    session = ours.create_streaming_session(processor=tokenizer, seed=0)
+    events = session.push_audio(samples) + session.flush()
+    reference = upstream.create_session(processor).create_streaming_session(seed=0)
+    expected = reference.push_audio(mx.array(samples)) + reference.flush()
+    ours_codes = [tuple(e.audio_codes) for e in events if e.kind == "audio"]
+    ref_codes = [tuple(e.audio_codes.tolist()) for e in expected if e.kind == "audio" and e.audio_codes is not None]
+    assert ours_codes == ref_codes and len(ours_codes) >= 10
+    ours_text = [(e.frame_index, e.token_id) for e in events if e.kind == "assistant_text_delta"]
+    ref_text = [(e.frame_index, e.token_id) for e in expected if e.kind == "assistant_text_delta"]
+    assert ours_text == ref_text and ours_text
