@@ -12,13 +12,27 @@ helpers compute, not what they compute:
   dtype) and converts the codebook to f32 inside the distance matmul on every call. Here
   the norms (same operation, same dtype) and the exact f32 copy are computed once.
 
-Cached tables are dropped by :meth:`FastRVQEARTTSModel.clear_tables` when weights change.
+* ``_condition`` -- the text condition of a frame (the character-aware subword encoder
+  over the token's characters, doubled with the null embedding for guidance) is a function
+  of the token ids alone, and most frames repeat a pad or silence token. It is memoised per
+  ``(ids, mask, batch, guidance)``: a new entry is returned lazily and becomes reusable once
+  the caller has evaluated it with its frame (:meth:`FastRVQEARTTSModel.pending_conditions`,
+  :meth:`FastRVQEARTTSModel.commit_conditions`), so the memo adds no host round trip.
+
+Cached tables are dropped by :meth:`FastRVQEARTTSModel.clear_tables` when weights change;
+memoised conditions also when the vocabulary is set.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 import mlx.core as mx
 from mlx_vlm.models.nemotron_voicechat.tts import RVQEARTTSModel
+
+#: Most memoised text conditions kept (least recently used dropped first).
+CONDITION_MEMO_SIZE = 4096
 
 
 class FastRVQEARTTSModel(RVQEARTTSModel):
@@ -27,10 +41,68 @@ class FastRVQEARTTSModel(RVQEARTTSModel):
     def __init__(self, config):
         super().__init__(config)
         self._tables: dict = {}
+        self._conditions: OrderedDict = OrderedDict()
+        self._conditions_lock = threading.Lock()
+        self._pending = threading.local()
 
     def clear_tables(self) -> None:
-        """Forget cached codebook tables (call after loading or converting weights)."""
+        """Forget cached codebook tables and conditions (after loading or converting weights)."""
         self._tables = {}
+        self.clear_conditions()
+
+    def clear_conditions(self) -> None:
+        """Forget memoised text conditions (weights or vocabulary changed)."""
+        with self._conditions_lock:
+            self._conditions.clear()
+        self._pending.entries = {}
+
+    def set_vocabulary(self, vocabulary) -> None:
+        """Upstream ``set_vocabulary``; memoised conditions are dropped."""
+        super().set_vocabulary(vocabulary)
+        self.clear_conditions()
+
+    def _pending_entries(self) -> dict:
+        entries = getattr(self._pending, "entries", None)
+        if entries is None:
+            entries = self._pending.entries = {}
+        return entries
+
+    def _condition(self, subword_ids, subword_mask, batch_size, guidance):
+        """Upstream ``_condition``, memoised on the ids (``(B, T)`` int) and mask."""
+        key = (
+            tuple(map(tuple, subword_ids.tolist())),
+            tuple(map(tuple, subword_mask.tolist())),
+            batch_size,
+            bool(guidance),
+        )
+        with self._conditions_lock:
+            cached = self._conditions.get(key)
+            if cached is not None:
+                self._conditions.move_to_end(key)
+                return cached
+        pending = self._pending_entries()
+        cached = pending.get(key)
+        if cached is None:
+            cached = pending[key] = super()._condition(subword_ids, subword_mask, batch_size, guidance)
+        return cached
+
+    def pending_conditions(self) -> list[mx.array]:
+        """Conditions built on this thread since the last commit: evaluate them with the
+        frame's outputs, then call :meth:`commit_conditions`."""
+        return list(self._pending_entries().values())
+
+    def commit_conditions(self) -> None:
+        """Make this thread's evaluated conditions reusable (by any thread)."""
+        pending = self._pending_entries()
+        if not pending:
+            return
+        with self._conditions_lock:
+            for key, value in pending.items():
+                self._conditions[key] = value
+                self._conditions.move_to_end(key)
+            while len(self._conditions) > CONDITION_MEMO_SIZE:
+                self._conditions.popitem(last=False)
+        pending.clear()
 
     def _table(self, name: str):
         table = self._tables.get(name)

@@ -333,7 +333,8 @@ class OfflineSession(VoiceChatSession):
             extra = [rest] if rest is not None else []
             if transcript is not None:
                 extra += transcript.state_arrays()
-            mx.eval(previous_code, output.text_logits, output.function_logits, *extra)
+            mx.eval(previous_code, output.text_logits, output.function_logits, *extra, *tts.pending_conditions())
+            tts.commit_conditions()
             if transcript is not None and time >= prompt_frames:
                 transcript.commit(values[2:] + (rest.tolist() if rest is not None else []))
             if progress is not None:

@@ -275,7 +275,14 @@ class StreamingSession:
             output = self._language.step(self._fuse(embeds[:, index : index + 1]))
             code = self._speech.step(pad, first=self._timeline_index == 0)
             self._timeline_index += 1
-            mx.eval(code, output.text_logits, output.function_logits, *self._language.state_arrays())
+            mx.eval(
+                code,
+                output.text_logits,
+                output.function_logits,
+                *self._language.state_arrays(),
+                *self._speech.state_arrays(),
+            )
+            self._speech.evaluated()
 
     def _fuse(self, audio_embedding: mx.array) -> mx.array:
         stt = self.model.stt_model
@@ -371,6 +378,7 @@ class StreamingSession:
             *self._speech.state_arrays(),
             *self._transcript.state_arrays(),
         )  # the frame's second host round trip
+        self._speech.evaluated()
         clock.sync()
         clock.stage("codec")
         if self._transcript.enabled:

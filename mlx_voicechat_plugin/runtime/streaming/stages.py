@@ -262,4 +262,14 @@ class SpeechState:
         return clean, samples[0, 0]
 
     def state_arrays(self) -> list[mx.array]:
-        return [self.previous_code, *self.codec_cache.cache.values(), *cache_arrays(self.cache)]
+        tts = self.model.tts_model.tts_model
+        return [
+            self.previous_code,
+            *self.codec_cache.cache.values(),
+            *cache_arrays(self.cache),
+            *tts.pending_conditions(),
+        ]
+
+    def evaluated(self) -> None:
+        """Call after evaluating :meth:`state_arrays` (memoised conditions become reusable)."""
+        self.model.tts_model.tts_model.commit_conditions()
