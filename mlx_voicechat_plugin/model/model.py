@@ -26,7 +26,7 @@ from __future__ import annotations
 from mlx_vlm.models.nemotron_voicechat.model import Model as UpstreamModel
 
 from .codec import ShapeKeyedISTFTCache, install_patch_upsampling
-from .encoder import install_position_cache
+from .encoder import install_position_cache, install_subsampling_split, prepare_subsampling
 from .parallel import install_split_linears
 from .pinning import PinningReport, pin_f32_weights, pinning_enabled
 from .tts import FastRVQEARTTSModel
@@ -53,6 +53,7 @@ class Model(UpstreamModel):
         install_patch_upsampling(codec.decoder)
         left_context = config.audio_config.encoder.att_context_size[0][0]
         self._position_caches = install_position_cache(self.stt_model.perception.encoder, left_context)
+        install_subsampling_split(self.stt_model.perception.encoder.pre_encode)
         self.pinning: PinningReport | None = None
         self._tokenizer = None
 
@@ -66,6 +67,7 @@ class Model(UpstreamModel):
             self.pinning = pin_f32_weights(self)
         # After loading: mlx-vlm quantizes (replacing Linear modules) before this call.
         install_split_linears(self)
+        prepare_subsampling(self.stt_model.perception.encoder.pre_encode)
         self.clear_caches()
         return result
 
