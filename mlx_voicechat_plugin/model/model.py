@@ -23,12 +23,14 @@ without renaming.
 
 from __future__ import annotations
 
+import mlx.core as mx
 from mlx_vlm.models.nemotron_voicechat.model import Model as UpstreamModel
 
 from .codec import ShapeKeyedISTFTCache, install_patch_upsampling
 from .encoder import install_position_cache, install_subsampling_split, prepare_subsampling
 from .parallel import install_split_linears
 from .pinning import PinningReport, pin_f32_weights, pinning_enabled
+from .rnnt import install_rnnt_shadows, prepare_rnnt_shadows
 from .tts import FastRVQEARTTSModel
 from .validation import validate_config
 
@@ -68,6 +70,9 @@ class Model(UpstreamModel):
         # After loading: mlx-vlm quantizes (replacing Linear modules) before this call.
         install_split_linears(self)
         prepare_subsampling(self.stt_model.perception.encoder.pre_encode)
+        install_rnnt_shadows(self.stt_model.rnnt_decoder, self.stt_model.rnnt_joint)
+        if mx.default_device() == mx.cpu:
+            prepare_rnnt_shadows(self.stt_model.rnnt_decoder, self.stt_model.rnnt_joint)
         self.clear_caches()
         return result
 

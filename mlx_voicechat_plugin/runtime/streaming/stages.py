@@ -93,6 +93,7 @@ class TranscriptState:
         self.text = ""
         self._scheduled = None
         self._encoded = None
+        self._projected = None
 
     @property
     def enabled(self) -> bool:
@@ -146,10 +147,20 @@ class TranscriptState:
             return mx.stack(symbols).reshape(-1)
 
     def _decode(self, token, hidden, encoded):
-        """One upstream decode step: ``decoder(token, hidden)`` then the joint's argmax."""
-        prediction, proposed = self.model.stt_model.rnnt_decoder(token, hidden)
-        logits = self.model.stt_model.rnnt_joint(encoded, prediction.astype(encoded.dtype))
-        symbol = mx.argmax(logits).astype(mx.int32)
+        """One upstream decode step: ``decoder(token, hidden)`` then the joint's argmax.
+
+        The joint is upstream ``JointNetwork.__call__`` with its encoder projection
+        computed once per frame (the same operation on the same input at every step).
+        """
+        stt = self.model.stt_model
+        joint = stt.rnnt_joint
+        prediction, proposed = stt.rnnt_decoder(token, hidden)
+        if self._projected is None or self._projected[0] is not encoded:
+            self._projected = (encoded, joint.enc(encoded))
+        x = mx.expand_dims(self._projected[1], 2) + mx.expand_dims(joint.pred(prediction.astype(encoded.dtype)), 1)
+        for layer in joint.joint_net:
+            x = layer(x)
+        symbol = mx.argmax(x).astype(mx.int32)
         return symbol, tuple(value.astype(encoded.dtype) for value in proposed)
 
     def commit(self, symbols: list[int]) -> tuple[str, str] | None:
