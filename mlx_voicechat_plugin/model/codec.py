@@ -27,7 +27,7 @@ from mlx_audio.codec.models.nemotron_voicechat.codec import ConvNeXtBlock1d
 from mlx_audio.dsp import ISTFTCache
 
 from .activations import gelu
-from .parallel import split_columns
+from .parallel import split_columns, split_stream
 
 
 class ShapeKeyedISTFTCache(ISTFTCache):
@@ -98,9 +98,20 @@ class PointwiseConv1d(nn.Conv1d):
         return y.reshape(batch, length, -1)
 
 
+#: Fewest time steps for which a ConvNeXt block splits its rows (not its products) over
+#: the two cores: with few rows, each core would convert the whole weight for little work.
+ROW_SPLIT_MIN_STEPS = 32
+
+
 class FastConvNeXtBlock1d(ConvNeXtBlock1d):
-    """Upstream ``ConvNeXtBlock1d`` with its GELU from a lookup table (:mod:`.activations`)
-    applied inside the split pointwise product; same parameters, same outputs."""
+    """Upstream ``ConvNeXtBlock1d`` with its GELU from a lookup table (:mod:`.activations`);
+    same parameters, same outputs.
+
+    Everything after the depthwise convolution (norm, pointwise products, GELU, residual) is
+    computed per time step, so long inputs (at least :data:`ROW_SPLIT_MIN_STEPS` steps) run
+    the two halves of their steps on the two CPU cores with one join per block; short
+    inputs split each pointwise product's output columns instead.
+    """
 
     def __call__(self, inputs: mx.array, *, cache=None, flush: bool = False) -> mx.array:
         residual = inputs
@@ -108,13 +119,41 @@ class FastConvNeXtBlock1d(ConvNeXtBlock1d):
             hidden = mx.pad(inputs, ((0, 0), (self.kernel_size - 1, 0), (0, 0)))
         else:
             hidden = cache.update(inputs, self.layer_id, self.kernel_size - 1, flush=flush)
-        hidden = self.norm(self.dwconv(hidden))
+        hidden = self.dwconv(hidden)
+        if inputs.shape[0] * inputs.shape[1] >= ROW_SPLIT_MIN_STEPS and isinstance(self.pwconv1, PointwiseConv1d):
+            other = split_stream(self.pwconv1.weight.size + self.pwconv2.weight.size)
+            if other is not None:
+                return self._rows_on_two_cores(hidden, residual, other)
+        hidden = self.norm(hidden)
         if isinstance(self.pwconv1, PointwiseConv1d):
             hidden = self.pwconv1(hidden, activation=gelu)
         else:
             hidden = gelu(self.pwconv1(hidden))
         hidden = self.pwconv2(hidden)
         return residual + hidden
+
+    def _pointwise_rows(self, hidden: mx.array, residual: mx.array) -> mx.array:
+        """``residual + pwconv2(gelu(pwconv1(norm(hidden))))`` for ``(rows, C)`` inputs,
+        with the same operations as the unsplit path."""
+        hidden = self.norm(hidden)
+        for conv, activation in ((self.pwconv1, gelu), (self.pwconv2, None)):
+            hidden = hidden @ conv.weight[:, 0, :].T
+            if "bias" in conv:
+                hidden = hidden + conv.bias
+            if activation is not None:
+                hidden = activation(hidden)
+        return residual + hidden
+
+    def _rows_on_two_cores(self, hidden: mx.array, residual: mx.array, other) -> mx.array:
+        batch, steps, channels = residual.shape
+        rows = batch * steps
+        hidden = hidden.reshape(rows, channels)
+        flat = residual.reshape(rows, channels)
+        half = rows // 2
+        first = self._pointwise_rows(hidden[:half], flat[:half])
+        with mx.stream(other):
+            second = self._pointwise_rows(hidden[half:], flat[half:])
+        return mx.concatenate([first, second], axis=0).reshape(batch, steps, channels)
 
 
 def _pointwise(conv: nn.Conv1d) -> PointwiseConv1d:
