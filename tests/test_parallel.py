@@ -181,3 +181,105 @@ def test_streaming_parity_with_every_product_split(always_split, models, speech_
     ours_text = [(e.frame_index, e.token_id) for e in events if e.kind == "assistant_text_delta"]
     ref_text = [(e.frame_index, e.token_id) for e in expected if e.kind == "assistant_text_delta"]
     assert ours_text == ref_text and ours_text
+
+
+# --- subsampling convolutions, RNNT shadows, EAR-TTS memo -------------------------------
+
+
+def test_subsampling_convs_equal_conv2d(always_split):
+    from mlx_voicechat_plugin.model.encoder import (
+        PointwiseConv2d,
+        SplitDepthwiseConv2d,
+        install_subsampling_split,
+    )
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = [
+                nn.Conv2d(1, 16, 3, stride=2),
+                nn.Conv2d(16, 16, 3, stride=2, groups=16),
+                nn.Conv2d(16, 16, 1),
+            ]
+
+    reference, fast = Stack(), Stack()
+    fast.update(reference.parameters())
+    assert install_subsampling_split(fast) == 2
+    assert type(fast.conv[0]) is nn.Conv2d  # the 1-channel input conv stays as it is
+    assert isinstance(fast.conv[1], SplitDepthwiseConv2d) and isinstance(fast.conv[2], PointwiseConv2d)
+    x = mx.random.normal((1, 27, 35, 1))
+    for ours, theirs in zip(fast.conv, reference.conv):
+        x_ours, x = ours(x), theirs(x)
+        assert mx.array_equal(x_ours, x).item()
+    fast.conv[2].weight = fast.conv[2].weight * 3  # a new weight object: the copy follows it
+    reference.conv[2].weight = fast.conv[2].weight
+    assert mx.array_equal(fast.conv[2](x), reference.conv[2](x)).item()
+
+
+@pytest.mark.parametrize("input_dtype", [mx.bfloat16, mx.float32])
+def test_rnnt_shadow_lstm_and_linear_equal_upstream(input_dtype):
+    from mlx_voicechat_plugin.model.rnnt import ShadowLinear, ShadowLSTM, install_rnnt_shadows
+
+    reference = nn.LSTM(24, 32)
+    reference.update(tree_map(lambda a: (a * 3).astype(mx.bfloat16), reference.parameters()))
+    linear = nn.Linear(32, 40)
+    linear.update(tree_map(lambda a: (a * 3).astype(mx.bfloat16), linear.parameters()))
+
+    class Branch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(24, 32)
+            self.out = nn.Linear(32, 40)
+
+    fast = Branch()
+    fast.lstm.update(reference.parameters())
+    fast.out.update(linear.parameters())
+    assert install_rnnt_shadows(fast, nn.Module()) == 2
+    assert isinstance(fast.lstm, ShadowLSTM) and isinstance(fast.out, ShadowLinear)
+    x = mx.random.normal((1, 3, 24)).astype(input_dtype)
+    hidden = mx.random.normal((1, 32)).astype(mx.float32)  # the RNNT carries f32 state
+    for kwargs in ({}, {"hidden": hidden, "cell": hidden}):
+        h_ref, c_ref = reference(x, **kwargs)
+        h, c = fast.lstm(x, **kwargs)
+        assert h.dtype == h_ref.dtype and mx.array_equal(h, h_ref).item()
+        assert mx.array_equal(c, c_ref).item()
+        assert mx.array_equal(fast.out(h), linear(h_ref)).item()
+
+
+def test_bf16_addmm_adds_the_bias_to_the_rounded_sum():
+    """The RNNT shadows rely on this MLX CPU behaviour; fail loudly if it changes."""
+    from mlx_voicechat_plugin.model.rnnt import shadow_addmm
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        x = mx.array(rng.standard_normal((1, 64)), dtype=mx.bfloat16)
+        w = mx.array(rng.standard_normal((256, 64)) * 0.2, dtype=mx.bfloat16)
+        b = mx.array(rng.standard_normal(256), dtype=mx.bfloat16)
+        copy = mx.contiguous(w.astype(mx.float32).T)
+        assert mx.array_equal(shadow_addmm(b, x, copy, w.dtype), mx.addmm(b, x, w.T)).item()
+        assert mx.array_equal(shadow_addmm(None, x, copy, w.dtype), x @ w.T).item()
+
+
+def test_tts_condition_memo_is_exact_and_committed_after_evaluation(models):
+    from mlx_vlm.models.nemotron_voicechat.tts import RVQEARTTSModel
+
+    ours, tokenizer, *_ = models("tiny")
+    ours.create_session(tokenizer)  # sets the vocabulary (and clears the memo)
+    tts = ours.tts_model.tts_model
+    ids = mx.array([[5]], dtype=mx.int32)
+    mask = mx.ones(ids.shape, dtype=mx.bool_)
+    expected = RVQEARTTSModel._condition(tts, ids, mask, 1, True)
+    first = tts._condition(ids, mask, 1, True)
+    assert tts.pending_conditions() == [first]
+    assert tts._condition(ids, mask, 1, True) is first  # same frame: the pending entry
+    mx.eval(*tts.pending_conditions())
+    tts.commit_conditions()
+    assert tts.pending_conditions() == []
+    again = tts._condition(ids, mask, 1, True)
+    assert again is first and mx.array_equal(again, expected).item()
+    other = mx.array([[6]], dtype=mx.int32)
+    assert mx.array_equal(tts._condition(other, mask, 1, True), RVQEARTTSModel._condition(tts, other, mask, 1, True)).item()
+    tts.set_vocabulary(tokenizer.get_vocab())
+    assert tts._condition(ids, mask, 1, True) is not first  # vocabulary set: memo dropped
+    mx.eval(*tts.pending_conditions())
+    tts.commit_conditions()
