@@ -28,7 +28,7 @@ from mlx_vlm.models.nemotron_voicechat.model import Model as UpstreamModel
 
 from .codec import ShapeKeyedISTFTCache, install_patch_upsampling
 from .encoder import install_position_cache, install_subsampling_split, prepare_subsampling
-from .parallel import install_split_linears, prepare_halves
+from .parallel import install_split_linears
 from .pinning import PinningReport, pin_f32_weights, pinning_enabled
 from .rnnt import install_rnnt_shadows, prepare_rnnt_shadows
 from .tts import FastRVQEARTTSModel
@@ -57,8 +57,6 @@ class Model(UpstreamModel):
         self._position_caches = install_position_cache(self.stt_model.perception.encoder, left_context)
         install_subsampling_split(self.stt_model.perception.encoder.pre_encode)
         self.pinning: PinningReport | None = None
-        #: Bytes of the per-core float32 half copies of EAR-TTS projections (:mod:`.parallel`).
-        self.split_copy_bytes = 0
         self._tokenizer = None
 
     def load_weights(self, file_or_weights, strict: bool = True):
@@ -71,9 +69,6 @@ class Model(UpstreamModel):
             self.pinning = pin_f32_weights(self)
         # After loading: mlx-vlm quantizes (replacing Linear modules) before this call.
         install_split_linears(self)
-        # EAR-TTS runs two rows (guided and unguided) per product, bound by memory
-        # bandwidth: its f32 projections also get per-core half copies.
-        self.split_copy_bytes = prepare_halves(self.tts_model.tts_model)
         prepare_subsampling(self.stt_model.perception.encoder.pre_encode)
         install_rnnt_shadows(self.stt_model.rnnt_decoder, self.stt_model.rnnt_joint)
         if mx.default_device() == mx.cpu:

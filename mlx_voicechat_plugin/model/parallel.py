@@ -163,46 +163,12 @@ class SplitLinear(nn.Linear):
     """``nn.Linear`` whose product runs on two CPU cores (same parameters, same result).
 
     float32 weights (held by :func:`store_transposed`) split the input rows, so each core
-    reads a well-laid-out weight; other dtypes split the output columns. After
-    :meth:`prepare_halves`, a float32 weight's two output halves are also held as
-    row-contiguous ``(K, N / 2)`` copies: each core then reads half of the weight in the
-    fast layout, which is what few-row, memory-bound products need (4 extra bytes per
-    parameter).
+    reads a well-laid-out weight; other dtypes split the output columns.
     """
-
-    def prepare_halves(self) -> int:
-        """Build the float32 half copies; returns their bytes (0 for other dtypes)."""
-        weight = self["weight"]
-        self.__dict__.pop("_halves", None)
-        if weight.dtype != mx.float32 or weight.ndim != 2 or weight.shape[0] < 2:
-            return 0
-        half = weight.shape[0] // 2
-        halves = (mx.contiguous(weight[:half].T), mx.contiguous(weight[half:].T))
-        mx.eval(*halves)
-        self.__dict__["_halves"] = (weight, halves)
-        return weight.nbytes
 
     def __call__(self, x: mx.array) -> mx.array:
         weight = self["weight"]
         bias = self["bias"] if "bias" in self else None
-        prepared = self.__dict__.get("_halves")
-        if prepared is not None and prepared[0] is weight and mx.default_device() == mx.cpu:
-            halves = prepared[1]
-
-            def half_product(inputs, start, stop):
-                # The bias is added to the finished sum, as the (N, K) product does.
-                y = inputs @ (halves[0] if start == 0 else halves[1])
-                return y if bias is None else y + bias[start:stop]
-
-            split = weight.shape[0] // 2
-            other = split_stream(weight.size)
-            first = half_product(x, 0, split)
-            if other is None:
-                second = half_product(x, split, weight.shape[0])
-            else:
-                with mx.stream(other):
-                    second = half_product(x, split, weight.shape[0])
-            return mx.concatenate([first, second], axis=-1)
         if weight.dtype == mx.float32:
 
             def whole(inputs):
@@ -221,18 +187,6 @@ class SplitLinear(nn.Linear):
             return mx.addmm(bias[start:stop], inputs, rows.T)
 
         return split_columns(x, weight.shape[0], columns, weight.size)
-
-
-def prepare_halves(module: nn.Module) -> int:
-    """:meth:`SplitLinear.prepare_halves` for every float32 :class:`SplitLinear` under
-    ``module`` (CPU device, split enabled); returns the bytes of the copies."""
-    if mx.default_device() != mx.cpu or not split_enabled():
-        return 0
-    return sum(
-        child.prepare_halves()
-        for _, child in module.named_modules()
-        if isinstance(child, SplitLinear) and child["weight"].size >= MIN_SPLIT_ELEMENTS
-    )
 
 
 class SplitQuantizedLinear(nn.QuantizedLinear):
