@@ -26,7 +26,7 @@ from mlx_voicechat_plugin.model.parallel import (
 @pytest.fixture
 def always_split(monkeypatch):
     """Split every product, however small, on both streams."""
-    monkeypatch.setattr(parallel, "MIN_SPLIT_ELEMENTS", 0)
+    monkeypatch.setattr(parallel, "MIN_SPLIT_WORK", 0)
     monkeypatch.setenv(parallel.SPLIT_ENV, "1")
 
 
@@ -85,7 +85,7 @@ def test_bf16_product_is_an_f32_product_rounded_once():
 
 
 def test_split_follows_the_switch_size_and_streams(monkeypatch):
-    monkeypatch.setattr(parallel, "MIN_SPLIT_ELEMENTS", 100)
+    monkeypatch.setattr(parallel, "MIN_SPLIT_WORK", 100)
     monkeypatch.setenv(parallel.SPLIT_ENV, "1")
     assert split_stream(99) is None  # too small to pay for the join
     assert split_stream(100) == parallel.secondary_stream()

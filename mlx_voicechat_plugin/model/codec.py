@@ -121,7 +121,8 @@ class FastConvNeXtBlock1d(ConvNeXtBlock1d):
             hidden = cache.update(inputs, self.layer_id, self.kernel_size - 1, flush=flush)
         hidden = self.dwconv(hidden)
         if inputs.shape[0] * inputs.shape[1] >= ROW_SPLIT_MIN_STEPS and isinstance(self.pwconv1, PointwiseConv1d):
-            other = split_stream(self.pwconv1.weight.size + self.pwconv2.weight.size)
+            steps = inputs.shape[0] * inputs.shape[1]
+            other = split_stream(steps * (self.pwconv1.weight.size + self.pwconv2.weight.size))
             if other is not None:
                 return self._rows_on_two_cores(hidden, residual, other)
         hidden = self.norm(hidden)

@@ -107,7 +107,8 @@ class SplitDepthwiseConv2d(nn.Conv2d):
 
     def __call__(self, x: mx.array) -> mx.array:
         channels = x.shape[-1]
-        other = split_stream(self.weight.size * 64) if channels >= 2 else None
+        positions = x.shape[0] * x.shape[1] * x.shape[2] // (self.stride[0] * self.stride[1])
+        other = split_stream(positions * self.weight.size) if channels >= 2 else None
         if other is None:
             return super().__call__(x)
         half = channels // 2

@@ -32,6 +32,7 @@ from .parallel import install_split_linears
 from .pinning import PinningReport, pin_f32_weights, pinning_enabled
 from .rnnt import install_rnnt_shadows, prepare_rnnt_shadows
 from .tts import FastRVQEARTTSModel
+from .tts_blocks import install_tts_blocks, prepare_tts_blocks
 from .validation import validate_config
 
 
@@ -69,6 +70,8 @@ class Model(UpstreamModel):
             self.pinning = pin_f32_weights(self)
         # After loading: mlx-vlm quantizes (replacing Linear modules) before this call.
         install_split_linears(self)
+        install_tts_blocks(self.tts_model.tts_model)
+        prepare_tts_blocks(self.tts_model.tts_model)
         prepare_subsampling(self.stt_model.perception.encoder.pre_encode)
         install_rnnt_shadows(self.stt_model.rnnt_decoder, self.stt_model.rnnt_joint)
         if mx.default_device() == mx.cpu:

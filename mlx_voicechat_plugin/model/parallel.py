@@ -16,8 +16,9 @@ bit, and the parity tests compare ids and codes against the upstream model.
 
 The split is used only when the default device is the CPU (on a GPU the second stream
 would move work off the GPU), when the machine has at least two cores, for products whose
-weight has at least :data:`MIN_SPLIT_ELEMENTS` elements (smaller ones cost more to join
-than they save), and unless ``MLX_VOICECHAT_CPU_SPLIT=0``.
+work (rows x weight elements, i.e. multiply-adds) is at least :data:`MIN_SPLIT_WORK`
+(handing half of a small product to the other thread and waiting for it costs more than
+it saves: a few tens of microseconds per join), and unless ``MLX_VOICECHAT_CPU_SPLIT=0``.
 
 MLX streams belong to the thread that created them, so each thread gets its own streams
 (:func:`secondary_stream`, :func:`side_stream`).
@@ -34,8 +35,8 @@ import mlx.nn as nn
 
 #: Environment switch: ``0`` keeps every product on one stream.
 SPLIT_ENV = "MLX_VOICECHAT_CPU_SPLIT"
-#: Smallest weight (elements) whose product is split across the two cores.
-MIN_SPLIT_ELEMENTS = 1 << 12
+#: Smallest product (multiply-adds: rows x weight elements) split across the two cores.
+MIN_SPLIT_WORK = 1 << 20
 
 _local = threading.local()
 
@@ -74,14 +75,14 @@ def on_side_stream():
     return mx.stream(side_stream())
 
 
-def split_stream(weight_elements: int) -> mx.Stream | None:
-    """The stream for the second half of a product with a weight of ``weight_elements``
-    elements, or None when the product should not be split (see the module docstring).
+def split_stream(work: int) -> mx.Stream | None:
+    """The stream for the second half of a product of ``work`` multiply-adds, or None when
+    the product should not be split (see the module docstring).
 
     Products issued while the secondary or side stream is current, or inside a half of
     another split (:func:`split_rows`), are not split.
     """
-    if weight_elements < MIN_SPLIT_ELEMENTS or getattr(_local, "inside", False):
+    if work < MIN_SPLIT_WORK or getattr(_local, "inside", False):
         return None
     if mx.default_device() != mx.cpu or not split_enabled():
         return None
@@ -101,12 +102,16 @@ def split_columns(x: mx.array, outputs: int, product, weight_elements: int) -> m
         outputs: number of output columns (last axis of the result).
         product: ``product(x, start, stop) -> (..., stop - start)``, the columns
             ``[start, stop)`` of the full result.
-        weight_elements: size of the weight, to decide whether splitting pays.
+        weight_elements: size of the weight; with the rows of ``x`` it decides whether
+            splitting pays.
 
     Returns:
         The full ``(..., outputs)`` result, identical to ``product(x, 0, outputs)``.
     """
-    other = split_stream(weight_elements) if outputs >= 2 else None
+    rows = 1
+    for size in x.shape[:-1]:
+        rows *= size
+    other = split_stream(rows * weight_elements) if outputs >= 2 else None
     if other is None:
         return product(x, 0, outputs)
     half = outputs // 2
@@ -126,7 +131,7 @@ def split_rows(x: mx.array, product, weight_elements: int) -> mx.array:
     rows = 1
     for size in leading:
         rows *= size
-    other = split_stream(weight_elements) if rows >= 2 else None
+    other = split_stream(rows * weight_elements) if rows >= 2 else None
     if other is None:
         return product(x)
     flat = x.reshape(rows, x.shape[-1])

@@ -12,8 +12,8 @@ transcript delta, a text delta, a function delta (each when there is one) and on
 * thread affinity is checked (:class:`~.errors.WrongThreadError`);
 * ``flush`` / ``cancel`` are idempotent; profiling counts host round trips and can take
   sub-stage marks and dump every frame (:mod:`.profile`);
-* the log-mel tail lives in host memory and each frame ends with one evaluation of its
-  outputs and caches.
+* the log-mel tail lives in host memory, the encoder caches its attention keys and values
+  (:mod:`.conformer`), and each frame ends with one evaluation of its outputs and caches.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 from ..offline import OfflineSession
 from ..rng import SessionRNG
 from ..text import TokenText
+from .conformer import ProjectedStreamingState
 from .errors import (
     AudioShapeError,
     ContextLimitError,
@@ -91,10 +92,8 @@ class StreamingSession:
         self._mel = None
         self._conformer = None
         if self.options.use_perception_cache:
-            from mlx_audio.stt.models.nemotron_asr import ConformerStreamingState
-
             self._mel = MelFrontend(config.audio_config.preprocessor, lookahead=self.frame_samples)
-            self._conformer = ConformerStreamingState(
+            self._conformer = ProjectedStreamingState(
                 model.stt_model.perception.encoder, chunk_frames=1, att_context_size=[left, right]
             )
         self._transcript = TranscriptState(model)
@@ -327,9 +326,7 @@ class StreamingSession:
     def _conformer_arrays(self) -> list[mx.array]:
         if self._conformer is None:
             return []
-        state = self._conformer
-        arrays = [state.mel_cache, *state.attn_cache, *state.conv_cache]
-        return [value for value in arrays if value is not None]
+        return self._conformer.state_arrays()
 
     def _step_frame(self, frame: np.ndarray) -> list:
         clock = FrameClock(self._frame_index, self._profiling, self._sub_stages)
