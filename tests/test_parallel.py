@@ -283,3 +283,32 @@ def test_tts_condition_memo_is_exact_and_committed_after_evaluation(models):
     assert tts._condition(ids, mask, 1, True) is not first  # vocabulary set: memo dropped
     mx.eval(*tts.pending_conditions())
     tts.commit_conditions()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_projected_streaming_state_equals_upstream_state(models, speech_16k, preset):
+    """Cached key/value projections: every streamed encoder frame equals upstream's."""
+    from mlx_audio.stt.models.nemotron_asr import ConformerStreamingState
+    from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram
+
+    from mlx_voicechat_plugin.runtime.streaming.conformer import ProjectedStreamingState
+
+    ours, *_ = models(preset)
+    encoder = ours.stt_model.perception.encoder
+    left, right = ours.config.audio_config.encoder.att_context_size[0]
+    samples = np.resize(speech_16k, 16000 * 8)  # 8 s: well past the 70-frame window
+    mel = log_mel_spectrogram(mx.array(samples), ours.config.audio_config.preprocessor)
+    reference = ConformerStreamingState(encoder, chunk_frames=1, att_context_size=[left, right])
+    cached = ProjectedStreamingState(encoder, chunk_frames=1, att_context_size=[left, right])
+    frames = 0
+    for start in range(0, mel.shape[1] - 8, 8):  # 8 mel frames = one 80 ms encoder frame
+        chunk = mel[:, start : start + 8]
+        expected = reference.push(chunk, emit_partial=True)
+        got = cached.push(chunk, emit_partial=True)
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected):
+            assert mx.array_equal(a, b).item()
+            frames += 1
+        mx.eval(*cached.state_arrays())
+    assert frames > left + 5  # past the point where the 70-frame window is full
+    assert all(k.shape[1] == left for k in cached.key_cache)
