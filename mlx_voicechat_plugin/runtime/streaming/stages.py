@@ -146,21 +146,28 @@ class TranscriptState:
             self._scheduled = hidden
             return mx.stack(symbols).reshape(-1)
 
+    def _projection(self, encoded):
+        """The joint's encoder projection of this frame, computed once per frame."""
+        if self._projected is None or self._projected[0] is not encoded:
+            self._projected = (encoded, self.model.stt_model.rnnt_joint.enc(encoded))
+        return self._projected[1]
+
+    def _joint_argmax(self, projected, prediction):
+        """Upstream ``JointNetwork.__call__`` from the projected encoder frame, then argmax."""
+        joint = self.model.stt_model.rnnt_joint
+        x = mx.expand_dims(projected, 2) + mx.expand_dims(joint.pred(prediction), 1)
+        for layer in joint.joint_net:
+            x = layer(x)
+        return mx.argmax(x).astype(mx.int32)
+
     def _decode(self, token, hidden, encoded):
         """One upstream decode step: ``decoder(token, hidden)`` then the joint's argmax.
 
         The joint is upstream ``JointNetwork.__call__`` with its encoder projection
         computed once per frame (the same operation on the same input at every step).
         """
-        stt = self.model.stt_model
-        joint = stt.rnnt_joint
-        prediction, proposed = stt.rnnt_decoder(token, hidden)
-        if self._projected is None or self._projected[0] is not encoded:
-            self._projected = (encoded, joint.enc(encoded))
-        x = mx.expand_dims(self._projected[1], 2) + mx.expand_dims(joint.pred(prediction.astype(encoded.dtype)), 1)
-        for layer in joint.joint_net:
-            x = layer(x)
-        symbol = mx.argmax(x).astype(mx.int32)
+        prediction, proposed = self.model.stt_model.rnnt_decoder(token, hidden)
+        symbol = self._joint_argmax(self._projection(encoded), prediction.astype(encoded.dtype))
         return symbol, tuple(value.astype(encoded.dtype) for value in proposed)
 
     def commit(self, symbols: list[int]) -> tuple[str, str] | None:
