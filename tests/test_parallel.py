@@ -312,3 +312,80 @@ def test_projected_streaming_state_equals_upstream_state(models, speech_16k, pre
         mx.eval(*cached.state_arrays())
     assert frames > left + 5  # past the point where the 70-frame window is full
     assert all(k.shape[1] == left for k in cached.key_cache)
+
+
+def test_gelu_table_has_gelu_gradient():
+    x = (mx.random.normal((5, 7)) * 3).astype(mx.bfloat16)
+    ours = mx.grad(lambda v: activations.gelu(v).astype(mx.float32).sum())(x)
+    expected = mx.grad(lambda v: nn.gelu(v).astype(mx.float32).sum())(x)
+    assert mx.array_equal(ours, expected).item()
+
+
+def test_condition_memo_drops_entries_built_before_a_clear_on_another_thread(models):
+    """A thread builds a condition, the weights change (memo cleared on another thread),
+    then the first thread commits: the stale entry must not reach the shared memo."""
+    ours, tokenizer, *_ = models("tiny")
+    ours.create_session(tokenizer)
+    tts = ours.tts_model.tts_model
+    ids = mx.array([[9]], dtype=mx.int32)
+    mask = mx.ones(ids.shape, dtype=mx.bool_)
+    mx.eval(ids, mask)  # lazy arrays belong to the thread (stream) that built them
+    built, cleared, stage = threading.Event(), threading.Event(), {}
+
+    def build_then_commit():
+        try:
+            stage["stale"] = tts._condition(ids, mask, 1, True)
+            mx.eval(stage["stale"])
+        finally:
+            built.set()
+        cleared.wait(timeout=60)
+        tts.commit_conditions()
+
+    thread = threading.Thread(target=build_then_commit, daemon=True)
+    thread.start()
+    assert built.wait(timeout=60)
+    tts.clear_conditions()
+    cleared.set()
+    thread.join(timeout=60)
+    assert "stale" in stage and not thread.is_alive()
+    with tts._conditions_lock:
+        assert all(value is not stage["stale"] for value in tts._conditions.values())
+    fresh = tts._condition(ids, mask, 1, True)
+    assert fresh is not stage["stale"]
+    mx.eval(*tts.pending_conditions())
+    tts.commit_conditions()
+
+
+def test_clear_caches_follows_parameters_changed_in_place(checkpoint, speech_16k):
+    """In-place edits keep the parameter objects; ``clear_caches`` must rebuild every copy
+    derived from them (RNNT f32 copies, norm offsets, subsampling matrices)."""
+    import mlx_vlm
+    from mlx.utils import tree_flatten
+
+    from mlx_voicechat_plugin.loading import load
+    from mlx_voicechat_plugin.registration.hooks import upstream_models
+
+    path = checkpoint("tiny")
+    ours, tokenizer = load(path)
+    with upstream_models():
+        upstream, processor = mlx_vlm.load(str(path))
+    samples = speech_16k[: 12 * 1280]
+    ours.create_session(tokenizer).generate(samples, extra_decoding_seconds=0.5, seed=0)  # warm copies
+
+    def edit(model):
+        for name, value in tree_flatten(model.parameters()):
+            if any(part in name for part in ("rnnt_", "backbone.norm", "pre_encode.conv", "mlp_stack.0.pre_norm")):
+                if mx.issubdtype(value.dtype, mx.floating):
+                    # Rounded through bf16: ours holds some of these pinned to f32.
+                    edited = (value.astype(mx.float32) * -1.5 + 0.05).astype(mx.bfloat16)
+                    value[...] = edited.astype(value.dtype)
+
+    edit(ours)
+    edit(upstream)
+    ours.clear_caches()
+    result = ours.create_session(tokenizer).generate(samples, extra_decoding_seconds=0.5, seed=0)
+    padded = np.concatenate([samples, np.zeros(8000, np.float32)])
+    reference = upstream.create_session(processor).generate(mx.array(padded), seed=0, use_language_cache=False)
+    assert result.text_tokens == reference.text_tokens.tolist()
+    np.testing.assert_array_equal(result.audio_codes, np.array(reference.audio_codes))
+    assert result.user_transcript == reference.user_transcript

@@ -39,8 +39,22 @@ def gelu_table(dtype: mx.Dtype) -> mx.array:
     return table
 
 
+@mx.custom_function
+def _table_gelu(x: mx.array) -> mx.array:
+    return mx.take(gelu_table(x.dtype), x.view(mx.uint16))
+
+
+@_table_gelu.vjp
+def _table_gelu_vjp(primals, cotangent, output):
+    # A gather has no derivative with respect to its indices: differentiate nn.gelu.
+    inputs = list(primals) if isinstance(primals, (tuple, list)) else [primals]
+    _, grads = mx.vjp(nn.gelu, inputs, [cotangent])
+    return grads[0]
+
+
 def gelu(x: mx.array) -> mx.array:
-    """``nn.gelu(x)`` bit for bit; a table gather for bfloat16/float16 ``x``.
+    """``nn.gelu(x)`` bit for bit; a table gather for bfloat16/float16 ``x`` whose gradient
+    is ``nn.gelu``'s.
 
     Args:
         x: any shape and float dtype.
@@ -49,4 +63,4 @@ def gelu(x: mx.array) -> mx.array:
     """
     if x.dtype not in _SIXTEEN_BIT:
         return nn.gelu(x)
-    return mx.take(gelu_table(x.dtype), x.view(mx.uint16))
+    return _table_gelu(x)

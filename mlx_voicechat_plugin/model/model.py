@@ -36,6 +36,10 @@ from .tts_blocks import install_tts_blocks, prepare_tts_blocks
 from .validation import validate_config
 
 
+#: Per-module attributes holding values derived from weights (see ``Model.clear_caches``).
+_DERIVED = ("_shadows", "_offset_weight", "_transposed")
+
+
 class Model(UpstreamModel):
     """NemotronLabs VoiceChat (``model_type: nemotron_voicechat``).
 
@@ -71,19 +75,25 @@ class Model(UpstreamModel):
         # After loading: mlx-vlm quantizes (replacing Linear modules) before this call.
         install_split_linears(self)
         install_tts_blocks(self.tts_model.tts_model)
-        prepare_tts_blocks(self.tts_model.tts_model)
-        prepare_subsampling(self.stt_model.perception.encoder.pre_encode)
         install_rnnt_shadows(self.stt_model.rnnt_decoder, self.stt_model.rnnt_joint)
-        if mx.default_device() == mx.cpu:
-            prepare_rnnt_shadows(self.stt_model.rnnt_decoder, self.stt_model.rnnt_joint)
         self.clear_caches()
         return result
 
     def clear_caches(self) -> None:
-        """Drop tables derived from weights (call after changing parameters by hand)."""
+        """Drop and rebuild everything derived from weights: codebook tables, memoised text
+        conditions, positional projections, norm offsets, and the f32 copies of the RNNT
+        and subsampling products. Call it after changing parameters by hand (in place or
+        by replacing them)."""
         self.tts_model.tts_model.clear_tables()
         for projection in self._position_caches:
             projection.clear_memo()
+        for _, module in self.named_modules():
+            for name in _DERIVED:
+                module.__dict__.pop(name, None)
+        if mx.default_device() == mx.cpu:
+            prepare_tts_blocks(self.tts_model.tts_model)
+            prepare_subsampling(self.stt_model.perception.encoder.pre_encode)
+            prepare_rnnt_shadows(self.stt_model.rnnt_decoder, self.stt_model.rnnt_joint)
 
     @property
     def tokenizer(self):

@@ -45,6 +45,7 @@ class FastRVQEARTTSModel(RVQEARTTSModel):
         self._tables: dict = {}
         self._conditions: OrderedDict = OrderedDict()
         self._conditions_lock = threading.Lock()
+        self._generation = 0
         self._pending = threading.local()
 
     def clear_tables(self) -> None:
@@ -53,9 +54,12 @@ class FastRVQEARTTSModel(RVQEARTTSModel):
         self.clear_conditions()
 
     def clear_conditions(self) -> None:
-        """Forget memoised text conditions (weights or vocabulary changed)."""
+        """Forget memoised text conditions (weights or vocabulary changed), including
+        entries other threads built but have not committed yet (they are dropped at their
+        commit)."""
         with self._conditions_lock:
             self._conditions.clear()
+            self._generation += 1
         self._pending.entries = {}
 
     def set_vocabulary(self, vocabulary) -> None:
@@ -64,9 +68,11 @@ class FastRVQEARTTSModel(RVQEARTTSModel):
         self.clear_conditions()
 
     def _pending_entries(self) -> dict:
+        """This thread's uncommitted conditions, dropped if the memo was cleared since."""
         entries = getattr(self._pending, "entries", None)
-        if entries is None:
+        if entries is None or getattr(self._pending, "generation", None) != self._generation:
             entries = self._pending.entries = {}
+            self._pending.generation = self._generation
         return entries
 
     def _condition(self, subword_ids, subword_mask, batch_size, guidance):
@@ -99,6 +105,9 @@ class FastRVQEARTTSModel(RVQEARTTSModel):
         if not pending:
             return
         with self._conditions_lock:
+            if self._pending.generation != self._generation:  # cleared meanwhile: stale
+                pending.clear()
+                return
             for key, value in pending.items():
                 self._conditions[key] = value
                 self._conditions.move_to_end(key)
