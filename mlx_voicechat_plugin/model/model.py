@@ -35,7 +35,6 @@ from .tts import FastRVQEARTTSModel
 from .tts_blocks import install_tts_blocks, prepare_tts_blocks
 from .validation import validate_config
 
-
 #: Per-module attributes holding values derived from weights (see ``Model.clear_caches``).
 _DERIVED = ("_shadows", "_offset_weight", "_transposed")
 
