@@ -96,8 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
-    if args.plot and report.plot(results["streaming"], args.plot):
-        print(f"[bench] plot written to {args.plot}", file=sys.stderr)
+    if args.plot:
+        if report.plot(results["streaming"], args.plot):
+            print(f"[bench] plot written to {args.plot}", file=sys.stderr)
+        else:
+            print("[bench] matplotlib is not installed: plot skipped (pip install matplotlib)", file=sys.stderr)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         m = results["machine"]
