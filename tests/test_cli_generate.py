@@ -428,6 +428,14 @@ def test_mlx_vlm_chat_refuses_subprocess(tiny):
     assert result.out == ""
 
 
+def test_mlx_vlm_chat_module_form_refuses_subprocess(tiny):
+    result = run_process([sys.executable, "-m", "mlx_vlm.chat", "--model", tiny])
+    assert result.code == 2
+    assert "Traceback" not in result.err
+    assert "mlx-voicechat generate --model" in result.err
+    assert "Model loaded" not in result.out
+
+
 def test_console_script_usage():
     assert cli_main([]) == 2
     assert cli_main(["--help"]) == 0

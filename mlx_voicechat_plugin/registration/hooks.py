@@ -6,7 +6,8 @@ Each hook is idempotent and only wraps public functions:
   (what ``patches/0001-*.patch`` adds upstream), so ``mlx_vlm.load`` returns our Model.
 * ``mlx_vlm.generate.dispatch.main`` (``python -m mlx_vlm.generate``) hands a VoiceChat
   checkpoint to :func:`mlx_voicechat_plugin.cli.generate.main`; other models are untouched.
-* ``mlx_vlm.chat.main`` (``python -m mlx_vlm chat``) refuses a VoiceChat checkpoint with a
+* ``mlx_vlm.chat.main`` (``python -m mlx_vlm chat``; and ``python -m mlx_vlm.chat`` at model
+  resolution) refuses a VoiceChat checkpoint with a
   pointer to the offline command.
 * ``mlx_vlm.server.cli.main`` (``python -m mlx_vlm.server``) serves a VoiceChat checkpoint
   with :mod:`mlx_voicechat_plugin.server` (only ``/v1/realtime``); other models are untouched.
@@ -61,10 +62,22 @@ def hook_utils(module) -> None:
 
                 arch = resolve_model_module(model_type)
                 if arch is not None:
+                    _refuse_chat_module()
                     return arch, model_type
         return original(config, model_path)
 
     module.get_model_and_args = get_model_and_args
+
+
+def _refuse_chat_module() -> None:
+    """``python -m mlx_vlm.chat`` runs the chat module as ``__main__`` (so the
+    ``mlx_vlm.chat.main`` hook never runs): refuse there, before any weight is loaded."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name == "mlx_vlm.chat":
+        from ..cli.generate import chat_refusal
+
+        print(chat_refusal(), file=sys.stderr)
+        raise SystemExit(2)
 
 
 def _cli_target_is_voicechat(argv: list[str]) -> bool:
