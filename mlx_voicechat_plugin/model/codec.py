@@ -27,7 +27,7 @@ from mlx_audio.codec.models.nemotron_voicechat.codec import ConvNeXtBlock1d
 from mlx_audio.dsp import ISTFTCache
 
 from .activations import gelu
-from .parallel import split_columns, split_stream
+from .parallel import split_columns, split_rows
 
 
 class ShapeKeyedISTFTCache(ISTFTCache):
@@ -120,11 +120,10 @@ class FastConvNeXtBlock1d(ConvNeXtBlock1d):
         else:
             hidden = cache.update(inputs, self.layer_id, self.kernel_size - 1, flush=flush)
         hidden = self.dwconv(hidden)
-        if inputs.shape[0] * inputs.shape[1] >= ROW_SPLIT_MIN_STEPS and isinstance(self.pwconv1, PointwiseConv1d):
-            steps = inputs.shape[0] * inputs.shape[1]
-            other = split_stream(steps * (self.pwconv1.weight.size + self.pwconv2.weight.size))
-            if other is not None:
-                return self._rows_on_two_cores(hidden, residual, other)
+        steps = inputs.shape[0] * inputs.shape[1]
+        if steps >= ROW_SPLIT_MIN_STEPS:
+            per_step = self.pwconv1.weight.size + self.pwconv2.weight.size
+            return split_rows(hidden, self._pointwise_rows, per_step, residual)
         hidden = self.norm(hidden)
         if isinstance(self.pwconv1, PointwiseConv1d):
             hidden = self.pwconv1(hidden, activation=gelu)
@@ -144,17 +143,6 @@ class FastConvNeXtBlock1d(ConvNeXtBlock1d):
             if activation is not None:
                 hidden = activation(hidden)
         return residual + hidden
-
-    def _rows_on_two_cores(self, hidden: mx.array, residual: mx.array, other) -> mx.array:
-        batch, steps, channels = residual.shape
-        rows = batch * steps
-        hidden = hidden.reshape(rows, channels)
-        flat = residual.reshape(rows, channels)
-        half = rows // 2
-        first = self._pointwise_rows(hidden[:half], flat[:half])
-        with mx.stream(other):
-            second = self._pointwise_rows(hidden[half:], flat[half:])
-        return mx.concatenate([first, second], axis=0).reshape(batch, steps, channels)
 
 
 def _pointwise(conv: nn.Conv1d) -> PointwiseConv1d:

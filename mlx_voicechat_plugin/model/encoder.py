@@ -24,6 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .derived import derived
 from .parallel import split_rows, split_stream
 
 
@@ -78,17 +79,15 @@ class PointwiseConv2d(nn.Conv2d):
 
     Input ``(B, H, W, C_in)`` -> ``(B, H, W, C_out)``, same parameters and bits as the
     parent class. A float32 ``(C_in, C_out)`` copy of the weight (the layout the CPU BLAS
-    multiplies fastest) is kept while the weight object is unchanged.
+    multiplies fastest) is kept while the weight object is unchanged (:mod:`.derived`).
     """
 
     def _matrix(self) -> mx.array:
-        weight = self.weight
-        cached = self.__dict__.get("_transposed")
-        if cached is None or cached[0] is not weight:
-            matrix = mx.contiguous(weight.reshape(weight.shape[0], -1).T)
-            mx.eval(matrix)
-            cached = self.__dict__["_transposed"] = (weight, matrix)
-        return cached[1]
+        return derived(self, "matrix", lambda weight: mx.contiguous(weight.reshape(weight.shape[0], -1).T))
+
+    def prepare_derived(self) -> None:
+        """Build the matrix now (after loading weights) rather than on the first call."""
+        self._matrix()
 
     def __call__(self, x: mx.array) -> mx.array:
         matrix = self._matrix()
@@ -129,13 +128,6 @@ class SplitDepthwiseConv2d(nn.Conv2d):
         with mx.stream(other):
             second = conv(half, channels)
         return mx.concatenate([first, second], axis=-1)
-
-
-def prepare_subsampling(subsampling) -> None:
-    """Build the float32 matrices of the 1x1 convolutions (after the weights are loaded)."""
-    for layer in getattr(subsampling, "conv", []):
-        if isinstance(layer, PointwiseConv2d):
-            layer._matrix()
 
 
 def install_subsampling_split(subsampling) -> int:

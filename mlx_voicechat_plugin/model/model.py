@@ -27,16 +27,14 @@ import mlx.core as mx
 from mlx_vlm.models.nemotron_voicechat.model import Model as UpstreamModel
 
 from .codec import ShapeKeyedISTFTCache, install_patch_upsampling
-from .encoder import install_position_cache, install_subsampling_split, prepare_subsampling
+from .derived import rebuild_derived
+from .encoder import install_position_cache, install_subsampling_split
 from .parallel import install_split_linears
 from .pinning import PinningReport, pin_f32_weights, pinning_enabled
-from .rnnt import install_rnnt_shadows, prepare_rnnt_shadows
+from .rnnt import install_rnnt_shadows
 from .tts import FastRVQEARTTSModel
-from .tts_blocks import install_tts_blocks, prepare_tts_blocks
+from .tts_blocks import install_tts_blocks
 from .validation import validate_config
-
-#: Per-module attributes holding values derived from weights (see ``Model.clear_caches``).
-_DERIVED = ("_shadows", "_offset_weight", "_transposed")
 
 
 class Model(UpstreamModel):
@@ -86,13 +84,7 @@ class Model(UpstreamModel):
         self.tts_model.tts_model.clear_tables()
         for projection in self._position_caches:
             projection.clear_memo()
-        for _, module in self.named_modules():
-            for name in _DERIVED:
-                module.__dict__.pop(name, None)
-        if mx.default_device() == mx.cpu:
-            prepare_tts_blocks(self.tts_model.tts_model)
-            prepare_subsampling(self.stt_model.perception.encoder.pre_encode)
-            prepare_rnnt_shadows(self.stt_model.rnnt_decoder, self.stt_model.rnnt_joint)
+        rebuild_derived(self, build=mx.default_device() == mx.cpu)
 
     @property
     def tokenizer(self):

@@ -27,6 +27,7 @@ MLX streams belong to the thread that created them, so each thread gets its own 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 
@@ -108,10 +109,7 @@ def split_columns(x: mx.array, outputs: int, product, weight_elements: int) -> m
     Returns:
         The full ``(..., outputs)`` result, identical to ``product(x, 0, outputs)``.
     """
-    rows = 1
-    for size in x.shape[:-1]:
-        rows *= size
-    other = split_stream(rows * weight_elements) if outputs >= 2 else None
+    other = split_stream(math.prod(x.shape[:-1]) * weight_elements) if outputs >= 2 else None
     if other is None:
         return product(x, 0, outputs)
     half = outputs // 2
@@ -121,26 +119,31 @@ def split_columns(x: mx.array, outputs: int, product, weight_elements: int) -> m
     return mx.concatenate([first, second], axis=-1)
 
 
-def split_rows(x: mx.array, product, weight_elements: int) -> mx.array:
-    """``product(x)`` for a row-wise product (``(..., K) -> (..., N)``, each output row a
-    function of its input row alone), with the rows split in two halves across the cores.
+def split_rows(x: mx.array, product, weight_elements: int, *aligned: mx.array) -> mx.array:
+    """``product(x, *aligned)`` for a row-wise computation (``(..., K) -> (..., N)``, each
+    output row a function of the same row of its inputs alone), with the rows split in two
+    halves across the cores.
 
-    Returns the same array as ``product(x)``.
+    Args:
+        x: the input; its leading axes are the rows.
+        product: ``product(rows, *aligned_rows) -> (rows, N)``.
+        weight_elements: multiply-adds per row, to decide whether splitting pays.
+        aligned: further inputs with the same leading shape as ``x``, split the same way.
+
+    Returns the same array as ``product(x, *aligned)``.
     """
     leading = x.shape[:-1]
-    rows = 1
-    for size in leading:
-        rows *= size
+    rows = math.prod(leading)
     other = split_stream(rows * weight_elements) if rows >= 2 else None
     if other is None:
-        return product(x)
-    flat = x.reshape(rows, x.shape[-1])
+        return product(x, *aligned)
+    flat = [array.reshape(rows, array.shape[-1]) for array in (x, *aligned)]
     half = rows // 2
     _local.inside = True
     try:
-        first = product(flat[:half])
+        first = product(*(array[:half] for array in flat))
         with mx.stream(other):
-            second = product(flat[half:])
+            second = product(*(array[half:] for array in flat))
     finally:
         _local.inside = False
     joined = mx.concatenate([first, second], axis=0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .derived import derived
 from .parallel import SplitLinear
 
 
@@ -35,16 +36,8 @@ def promoted(*dtypes: mx.Dtype) -> mx.Dtype:
 
 
 def _copy_for(owner: nn.Module, name: str) -> mx.array:
-    """Row-contiguous float32 ``(K, N)`` copy of ``owner[name]`` ``(N, K)``, rebuilt when
-    the parameter object changes."""
-    weight = owner[name]
-    memo = owner.__dict__.setdefault("_shadows", {})
-    cached = memo.get(name)
-    if cached is None or cached[0] is not weight:
-        copy = mx.contiguous(weight.astype(mx.float32).T)
-        mx.eval(copy)
-        cached = memo[name] = (weight, copy)
-    return cached[1]
+    """Row-contiguous float32 ``(K, N)`` copy of ``owner[name]`` ``(N, K)`` (:mod:`.derived`)."""
+    return derived(owner, name, lambda weight: mx.contiguous(weight.astype(mx.float32).T), parameter=name)
 
 
 def shadow_addmm(c: mx.array | None, x: mx.array, copy: mx.array, weight_dtype: mx.Dtype) -> mx.array:
@@ -65,7 +58,7 @@ def _on_cpu() -> bool:
 class ShadowLinear(SplitLinear):
     """``nn.Linear`` computed against a float32 ``(K, N)`` copy of its weight (bit-identical)."""
 
-    def prepare(self) -> None:
+    def prepare_derived(self) -> None:
         """Build the copy now (after loading weights) rather than on the first call."""
         _copy_for(self, "weight")
 
@@ -80,7 +73,7 @@ class ShadowLSTM(nn.LSTM):
     """``nn.LSTM`` whose two products use float32 ``(K, N)`` copies of ``Wx`` and ``Wh``;
     the gate arithmetic is ``nn.LSTM``'s, in the same dtypes (bit-identical)."""
 
-    def prepare(self) -> None:
+    def prepare_derived(self) -> None:
         """Build the copies now (after loading weights)."""
         _copy_for(self, "Wx")
         _copy_for(self, "Wh")
@@ -121,11 +114,3 @@ def install_rnnt_shadows(decoder: nn.Module, joint: nn.Module) -> int:
                 child.__class__ = ShadowLinear
                 changed += 1
     return changed
-
-
-def prepare_rnnt_shadows(decoder: nn.Module, joint: nn.Module) -> None:
-    """Build every shadow copy (call after the weights are loaded)."""
-    for module in (decoder, joint):
-        for _, child in module.named_modules():
-            if isinstance(child, (ShadowLinear, ShadowLSTM)):
-                child.prepare()

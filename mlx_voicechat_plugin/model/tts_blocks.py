@@ -2,7 +2,7 @@
 
 :class:`CachedOffsetRMSNorm` / :class:`CachedGemmaRMSNorm`: the norms add one to their
 weight (and cast it) on every call, about a hundred times a frame; the same operation is
-done once per weight object.
+done once per weight object (:mod:`.derived`).
 """
 
 from __future__ import annotations
@@ -12,37 +12,37 @@ import mlx.nn as nn
 from mlx_vlm.models.gemma3.language import RMSNorm as GemmaRMSNorm
 from mlx_vlm.models.nemotron_voicechat.tts import OffsetRMSNorm
 
+from .derived import derived
 
-def _memo(module: nn.Module, build) -> mx.array:
-    weight = module["weight"]
-    cached = module.__dict__.get("_offset_weight")
-    if cached is None or cached[0] is not weight:
-        value = build(weight)
-        mx.eval(value)
-        cached = module.__dict__["_offset_weight"] = (weight, value)
-    return cached[1]
+
+def _offset_f32(weight: mx.array) -> mx.array:
+    return 1.0 + weight.astype(mx.float32)
+
+
+def _offset(weight: mx.array) -> mx.array:
+    return 1.0 + weight
 
 
 class CachedOffsetRMSNorm(OffsetRMSNorm):
     """Upstream ``OffsetRMSNorm`` with ``1 + weight`` (float32) computed once."""
 
-    def prepare(self) -> None:
-        _memo(self, lambda w: 1.0 + w.astype(mx.float32))
+    def prepare_derived(self) -> None:
+        derived(self, "offset", _offset_f32)
 
     def __call__(self, x: mx.array) -> mx.array:
         dtype = x.dtype
-        scale = _memo(self, lambda w: 1.0 + w.astype(mx.float32))
+        scale = derived(self, "offset", _offset_f32)
         return mx.fast.rms_norm(x.astype(mx.float32), scale, self.eps).astype(dtype)
 
 
 class CachedGemmaRMSNorm(GemmaRMSNorm):
     """mlx-vlm Gemma-3 ``RMSNorm`` with ``1 + weight`` computed once."""
 
-    def prepare(self) -> None:
-        _memo(self, lambda w: 1.0 + w)
+    def prepare_derived(self) -> None:
+        derived(self, "offset", _offset)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, _memo(self, lambda w: 1.0 + w), self.eps)
+        return mx.fast.rms_norm(x, derived(self, "offset", _offset), self.eps)
 
 
 _SWAPS = {
@@ -61,10 +61,3 @@ def install_tts_blocks(module: nn.Module) -> int:
             child.__class__ = swap
             changed += 1
     return changed
-
-
-def prepare_tts_blocks(module: nn.Module) -> None:
-    """Compute the norms' offset weights now (after the weights are loaded)."""
-    for _, child in module.named_modules():
-        if isinstance(child, (CachedOffsetRMSNorm, CachedGemmaRMSNorm)):
-            child.prepare()
