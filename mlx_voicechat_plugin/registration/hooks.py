@@ -69,15 +69,20 @@ def hook_utils(module) -> None:
     module.get_model_and_args = get_model_and_args
 
 
+def _refuse_chat() -> None:
+    """Print the chat refusal (one line pointing to the offline command) and exit 2."""
+    from ..cli.generate import chat_refusal
+
+    print(chat_refusal(), file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _refuse_chat_module() -> None:
     """``python -m mlx_vlm.chat`` runs the chat module as ``__main__`` (so the
     ``mlx_vlm.chat.main`` hook never runs): refuse there, before any weight is loaded."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name == "mlx_vlm.chat":
-        from ..cli.generate import chat_refusal
-
-        print(chat_refusal(), file=sys.stderr)
-        raise SystemExit(2)
+        _refuse_chat()
 
 
 def _cli_target_is_voicechat(argv: list[str]) -> bool:
@@ -111,10 +116,7 @@ def hook_chat(module) -> None:
     @functools.wraps(original)
     def main():
         if _cli_target_is_voicechat(sys.argv[1:]):
-            from ..cli.generate import chat_refusal
-
-            print(chat_refusal(), file=sys.stderr)
-            raise SystemExit(2)
+            _refuse_chat()
         return original()
 
     module.main = main
