@@ -69,3 +69,37 @@ def speech_16k() -> np.ndarray:
     from mlx_voicechat_plugin.runtime.audio_io import read_audio
 
     return read_audio(SPEECH_WAV, 16_000)
+
+
+# ------------------------------------------------------------------ realtime server tests
+
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint) -> Path:
+    """The tiny demo checkpoint's path."""
+    return checkpoint("tiny")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    """The started engine for the tiny checkpoint (shared by every server test module)."""
+    from .test_server_support import get_engine
+
+    return get_engine(tiny)
+
+
+@pytest.fixture(scope="module")
+def server(tiny, engine):
+    """A real server on loopback with the default settings, one per test module."""
+    from .test_server_support import ServerHandle, server_settings
+
+    with ServerHandle(server_settings(tiny), engine) as handle:
+        yield handle
+
+
+@pytest.fixture
+def slot_released(server):
+    """Wait until the server's session slot is free before and after the test."""
+    server.wait_slot_free()
+    yield
+    server.wait_slot_free()

@@ -15,20 +15,10 @@ import time
 import pytest
 from websockets.exceptions import InvalidStatus
 
-from .test_server_support import Client, ServerHandle, get_engine, http, served_id, server_settings
+from .test_server_support import Client, ServerHandle, http, served_id, server_settings
 
 KEY = "k3y/secret+value?"
 CHAT_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]
-
-
-@pytest.fixture(scope="module")
-def tiny(checkpoint):
-    return checkpoint("tiny")
-
-
-@pytest.fixture(scope="module")
-def engine(tiny):
-    return get_engine(tiny)
 
 
 def _serve(tiny, engine, **overrides):

@@ -14,27 +14,14 @@ from .test_server_support import (
     FRAME,
     ServerHandle,
     append,
-    get_engine,
     quantized,
     server_settings,
     update,
 )
 
+pytestmark = pytest.mark.usefixtures("slot_released")
+
 BEFORE_UPDATE = "send session.update before audio"
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    tiny = checkpoint("tiny")
-    with ServerHandle(server_settings(tiny), get_engine(tiny)) as handle:
-        yield handle
-
-
-@pytest.fixture(autouse=True)
-def _slot_released(server):
-    server.wait_slot_free()
-    yield
-    server.wait_slot_free()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import os
 from fractions import Fraction
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import event as record
 from hypothesis import strategies as st
@@ -25,9 +24,6 @@ from .test_server_support import (
     FRAME,
     SPEC_CLOSE_CODES,
     Closed,
-    ServerHandle,
-    get_engine,
-    server_settings,
 )
 
 CLIENT_TYPES = [
@@ -44,13 +40,6 @@ DELTAS = {
     "response.function.delta",
     "response.audio.delta",
 }
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    tiny = checkpoint("tiny")
-    with ServerHandle(server_settings(tiny), get_engine(tiny)) as handle:
-        yield handle
 
 
 # ---------------------------------------------------------------------- strategies

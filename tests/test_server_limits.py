@@ -18,7 +18,6 @@ from .test_server_support import (
     FRAME,
     ServerHandle,
     append,
-    get_engine,
     quantized,
     server_settings,
     update,
@@ -26,16 +25,6 @@ from .test_server_support import (
 
 MIB = 1024 * 1024
 UPDATE_TIMEOUT, IDLE_TIMEOUT = 1.0, 1.5
-
-
-@pytest.fixture(scope="module")
-def tiny(checkpoint):
-    return checkpoint("tiny")
-
-
-@pytest.fixture(scope="module")
-def engine(tiny):
-    return get_engine(tiny)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from mlx_voicechat_plugin.server import connection as connection_module
-from mlx_voicechat_plugin.server.engine import RealtimeEngine
 
 from .conftest import SYSTEM_PROMPT
 from .test_server_support import (
@@ -23,10 +22,11 @@ from .test_server_support import (
     ServerHandle,
     append,
     decode_pcm16,
-    get_engine,
     quantized,
     server_settings,
 )
+
+pytestmark = pytest.mark.usefixtures("slot_released")
 
 INPUT_FORMAT = {"type": "pcm16", "sample_rate": 16000}
 OUTPUT_FORMAT = {"type": "pcm16", "sample_rate": 22050}
@@ -53,29 +53,6 @@ FIELDS = {
     "input_audio_buffer.committed": set(),
     "session.pong": set(),
 }
-
-
-@pytest.fixture(scope="module")
-def tiny(checkpoint):
-    return checkpoint("tiny")
-
-
-@pytest.fixture(scope="module")
-def engine(tiny) -> RealtimeEngine:
-    return get_engine(tiny)
-
-
-@pytest.fixture(scope="module")
-def server(tiny, engine):
-    with ServerHandle(server_settings(tiny), engine) as handle:
-        yield handle
-
-
-@pytest.fixture(autouse=True)
-def _slot_released(server):
-    server.wait_slot_free()
-    yield
-    server.wait_slot_free()
 
 
 @pytest.fixture(scope="module")

@@ -12,26 +12,11 @@ import pytest
 from .test_server_support import (
     FRAME,
     RawClient,
-    ServerHandle,
     append,
-    get_engine,
     quantized,
-    server_settings,
 )
 
-
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    tiny = checkpoint("tiny")
-    with ServerHandle(server_settings(tiny), get_engine(tiny)) as handle:
-        yield handle
-
-
-@pytest.fixture(autouse=True)
-def _slot_released(server):
-    server.wait_slot_free()
-    yield
-    server.wait_slot_free()
+pytestmark = pytest.mark.usefixtures("slot_released")
 
 
 @pytest.fixture(scope="module")
