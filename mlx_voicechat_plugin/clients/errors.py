@@ -17,6 +17,11 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_BUSY = 3
 EXIT_INTERRUPTED = 130
+#: ``--help`` epilog of the clients, listing the statuses above.
+EXIT_STATUS_HELP = (
+    f"exit status: {EXIT_OK} done, {EXIT_FAILURE} failure, {EXIT_USAGE} usage error, "
+    f"{EXIT_BUSY} server busy (retry later), {EXIT_INTERRUPTED} interrupted"
+)
 
 
 class ClientError(Exception):

@@ -25,7 +25,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, ClientError, UsageError
+from .errors import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_STATUS_HELP,
+    ClientError,
+    UsageError,
+)
 from .protocol import (
     FRAME_SAMPLES,
     INPUT_SAMPLE_RATE,
@@ -49,7 +56,7 @@ def build_parser(prog: str = "mlx-voicechat-file-client") -> argparse.ArgumentPa
             "Send an audio file to a VoiceChat realtime server (/v1/realtime), print the "
             "transcript and the answer, and save the spoken answer as a 22050 Hz mono PCM16 WAV."
         ),
-        epilog="exit status: 0 done, 1 failure, 2 usage error, 3 server busy (retry later), 130 interrupted",
+        epilog=EXIT_STATUS_HELP,
     )
     parser.add_argument("url", help="realtime endpoint, e.g. ws://127.0.0.1:8080/v1/realtime")
     parser.add_argument("input", help="the question (WAV/FLAC/OGG/AIFF, any rate and channel count)")

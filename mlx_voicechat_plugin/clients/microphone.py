@@ -31,7 +31,14 @@ import numpy as np
 
 from .audio import CaptureConverter, PlaybackConverter
 from .devices import DeviceInfo, SoundDeviceBackend, permission_hint
-from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, ClientError, UsageError
+from .errors import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_STATUS_HELP,
+    ClientError,
+    UsageError,
+)
 from .protocol import FRAME_SAMPLES, INPUT_SAMPLE_RATE, AudioDelta, TurnState, append, commit
 from .ringbuffer import RingBuffer
 from .session import Update, open_session, receive_until_closed
@@ -205,7 +212,7 @@ def build_parser(prog: str = "mlx-voicechat-mic") -> argparse.ArgumentParser:
             "Talk to a VoiceChat realtime server (/v1/realtime) through your microphone and "
             "speakers. Ctrl-C commits the turn. Use headphones (no echo cancellation)."
         ),
-        epilog="exit status: 0 done, 1 failure, 2 usage error, 3 server busy (retry later), 130 interrupted",
+        epilog=EXIT_STATUS_HELP,
     )
     parser.add_argument("url", nargs="?", help="realtime endpoint, e.g. ws://127.0.0.1:8080/v1/realtime")
     parser.add_argument("--system-prompt", "-p", default=None, help="system prompt (default: the checkpoint's, empty)")
