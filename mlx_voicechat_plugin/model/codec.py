@@ -26,6 +26,7 @@ import mlx.nn as nn
 from mlx_audio.codec.models.nemotron_voicechat.codec import ConvNeXtBlock1d
 from mlx_audio.dsp import ISTFTCache
 
+from ..native import matmul
 from .activations import gelu
 from .parallel import split_columns, split_rows
 
@@ -65,7 +66,7 @@ class PatchConvTranspose1d(nn.ConvTranspose1d):
         matrix = self.weight.transpose(2, 1, 0).reshape(in_channels, kernel * out_channels)
         flat = x.reshape(batch * length, in_channels)
         y = split_columns(
-            flat, kernel * out_channels, lambda rows, a, b: rows @ matrix[:, a:b], matrix.size
+            flat, kernel * out_channels, lambda rows, a, b: matmul(rows, matrix[:, a:b]), matrix.size
         ).reshape(batch, length * kernel, out_channels)
         if "bias" in self:
             y = y + self.bias
@@ -89,7 +90,7 @@ class PointwiseConv1d(nn.Conv1d):
         def product(rows, start, stop):
             # The bias is added to the rounded product, as nn.Conv1d does (an addmm would
             # start the sum from the bias and round once: not the same bits).
-            y = rows @ matrix[:, start:stop]
+            y = matmul(rows, matrix[:, start:stop])
             if bias is not None:
                 y = y + bias[start:stop]
             return y if activation is None else activation(y)
@@ -137,7 +138,7 @@ class FastConvNeXtBlock1d(ConvNeXtBlock1d):
         with the same operations as the unsplit path."""
         hidden = self.norm(hidden)
         for conv, activation in ((self.pwconv1, gelu), (self.pwconv2, None)):
-            hidden = hidden @ conv.weight[:, 0, :].T
+            hidden = matmul(hidden, conv.weight[:, 0, :].T)
             if "bias" in conv:
                 hidden = hidden + conv.bias
             if activation is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..native import matmul
 from .derived import derived
 from .parallel import split_rows, split_stream
 
@@ -94,7 +95,7 @@ class PointwiseConv2d(nn.Conv2d):
         bias = self.bias if "bias" in self else None
 
         def product(rows):
-            y = rows @ matrix
+            y = matmul(rows, matrix)
             return y if bias is None else y + bias
 
         return split_rows(x, product, matrix.size)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_vlm.models.nemotron_voicechat.model import Model as UpstreamModel
 
+from .. import native
 from .codec import ShapeKeyedISTFTCache, install_patch_upsampling
 from .derived import rebuild_derived
 from .encoder import install_position_cache, install_subsampling_split
@@ -73,6 +74,8 @@ class Model(UpstreamModel):
         install_split_linears(self)
         install_tts_blocks(self.tts_model.tts_model)
         install_rnnt_shadows(self.stt_model.rnnt_decoder, self.stt_model.rnnt_joint)
+        if mx.default_device() == mx.cpu:
+            native.available()  # build/load the exact CPU product kernel now, not mid-frame
         self.clear_caches()
         return result
 

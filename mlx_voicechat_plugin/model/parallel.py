@@ -34,6 +34,8 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..native import matmul
+
 #: Environment switch: ``0`` keeps every product on one stream.
 SPLIT_ENV = "MLX_VOICECHAT_CPU_SPLIT"
 #: Smallest product (multiply-adds: rows x weight elements) split across the two cores.
@@ -182,17 +184,12 @@ class SplitLinear(nn.Linear):
             def whole(inputs):
                 # Not addmm: with this layout BLAS would start the sum from the bias,
                 # whereas the (N, K) layout adds the bias to the finished sum.
-                if bias is None:
-                    return inputs @ weight.T
-                return (inputs @ weight.T) + bias
+                return matmul(inputs, weight.T, bias)
 
             return split_rows(x, whole, weight.size)
 
         def columns(inputs, start, stop):
-            rows = weight[start:stop]
-            if bias is None:
-                return inputs @ rows.T
-            return mx.addmm(bias[start:stop], inputs, rows.T)
+            return matmul(inputs, weight[start:stop].T, None if bias is None else bias[start:stop])
 
         return split_columns(x, weight.shape[0], columns, weight.size)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..native import matmul
 from .derived import derived
 from .parallel import SplitLinear
 
@@ -45,7 +46,7 @@ def shadow_addmm(c: mx.array | None, x: mx.array, copy: mx.array, weight_dtype: 
     ``(K, N)`` copy of ``W``; same dtype and bits as the direct operation."""
     dtypes = [x.dtype, weight_dtype] + ([c.dtype] if c is not None else [])
     out = promoted(*dtypes)
-    y = x.astype(mx.float32) @ copy
+    y = matmul(x.astype(mx.float32), copy)
     if c is not None:
         y = y + c.astype(mx.float32)
     return y.astype(out)

@@ -33,6 +33,8 @@ from collections import OrderedDict
 import mlx.core as mx
 from mlx_vlm.models.nemotron_voicechat.tts import RVQEARTTSModel
 
+from ..native import matmul
+
 #: Most memoised text conditions kept (least recently used dropped first).
 CONDITION_MEMO_SIZE = 4096
 
@@ -142,7 +144,7 @@ class FastRVQEARTTSModel(RVQEARTTSModel):
         norms, transposed = self._table("norms"), self._table("f32t")
         pieces = [code[..., i] for i in range(self.config.num_quantizers)]
         for index in range(start, start + count):
-            distances = norms[index] - 2.0 * mx.matmul(residual, transposed[index])
+            distances = norms[index] - 2.0 * matmul(residual, transposed[index])
             selected = mx.argmin(distances, axis=-1)
             residual = residual - self.rvq_embs[index][selected]
             pieces[index] = selected

@@ -1,0 +1,156 @@
+"""Exact-order matrix products for MLX's CPU backend (a small compiled MLX extension).
+
+MLX's CPU backend computes float32 products with the reference BLAS ``sgemm`` and
+bfloat16/float16 products with its own scalar ``simd_gemm``. Both give each output the
+in-order float32 sum over the shared dimension (every product and sum rounded, no fused
+multiply-add) and round it once to the output dtype. ``exact_matmul.cpp`` computes that
+same sum in that same order, vectorised across output columns and blocked across rows: the
+results are bit-identical to ``mx.matmul`` / ``mx.addmm`` and several times faster on rows
+of activations (10-15x at 64-441 rows, about 2.5x for two rows against a float32 weight on
+the machine in ``docs/performance.md``).
+
+:func:`matmul` is the one entry point the model uses. It runs the extension when the
+default device is the CPU and the extension is available, and MLX's own product otherwise
+(Apple GPUs, a machine without a C++ compiler, ``MLX_VOICECHAT_NATIVE=0``); either way the
+result is the same array. The extension is built on first use (:mod:`.build`, a few
+seconds, cached per machine); :func:`status` says whether it is in use and why not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import mlx.core as mx
+
+#: Environment switch: ``0`` keeps MLX's own products everywhere.
+NATIVE_ENV = "MLX_VOICECHAT_NATIVE"
+
+_SUPPORTED = (mx.float32, mx.bfloat16, mx.float16)
+_lock = threading.Lock()
+_state: dict = {"module": None, "reason": None, "tried": False}
+_log = logging.getLogger(__name__)
+
+
+def _switched_off() -> bool:
+    return os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _self_test(module) -> None:
+    """Compare the kernel with MLX's products on awkward shapes; raise on any bit difference."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    with mx.stream(mx.cpu):
+        for dtype in _SUPPORTED:
+            for rows, inner, outputs in ((1, 3, 1), (2, 37, 33), (5, 64, 70), (9, 130, 40)):
+                a = mx.array(rng.standard_normal((rows, inner)).astype(np.float32)).astype(dtype)
+                w = mx.array(rng.standard_normal((outputs, inner)).astype(np.float32)).astype(dtype)
+                c = mx.array(rng.standard_normal(outputs).astype(np.float32) * 8).astype(dtype)
+                wt = mx.contiguous(w.T)
+                expected = [
+                    a @ w.T,
+                    a @ wt,
+                    (a @ w.T) + c if dtype == mx.float32 else mx.addmm(c, a, w.T),
+                ]
+                got = [
+                    module.exact_matmul(a, w.T),
+                    module.exact_matmul(a, wt),
+                    module.exact_matmul(a, w.T, c),
+                ]
+                for want, have in zip(expected, got):
+                    if not mx.array_equal(want, have).item() or have.dtype != want.dtype:
+                        raise RuntimeError(
+                            f"self-test mismatch for {dtype} {rows}x{inner}x{outputs}"
+                        )
+
+
+def _load():
+    with _lock:
+        if _state["tried"]:
+            return _state["module"]
+        _state["tried"] = True
+        if _switched_off():
+            _state["reason"] = f"disabled by {NATIVE_ENV}=0"
+            return None
+        from .build import BuildError, load
+
+        try:
+            module = load()
+            _self_test(module)
+        except (BuildError, RuntimeError, TypeError, ValueError) as error:
+            _state["reason"] = str(error)
+            _log.warning(
+                "mlx-voicechat-plugin: exact CPU product kernel unavailable (%s); using MLX's "
+                "products (identical results, slower)",
+                str(error).splitlines()[0],
+            )
+            return None
+        _state["module"] = module
+        return module
+
+
+def available() -> bool:
+    """True when the extension is built, loaded and passed its self-test (builds on first call)."""
+    if _switched_off():
+        return False
+    return _load() is not None
+
+
+def status() -> str:
+    """One line: ``"in use"`` or why MLX's own products are used."""
+    if _switched_off():
+        return f"off ({NATIVE_ENV}=0)"
+    module = _load()
+    return "in use" if module is not None else f"unavailable: {_state['reason']}"
+
+
+def reset() -> None:
+    """Forget the load attempt (tests; after changing :data:`NATIVE_ENV`)."""
+    with _lock:
+        _state.update(module=None, reason=None, tried=False)
+
+
+def usable(a: mx.array, b: mx.array) -> bool:
+    """Whether :func:`matmul` would run the extension for these operands."""
+    return (
+        b.ndim == 2
+        and a.ndim >= 1
+        and a.dtype == b.dtype
+        and a.dtype in _SUPPORTED
+        and mx.default_device() == mx.cpu
+        and not _switched_off()
+        and _load() is not None
+    )
+
+
+def matmul(a: mx.array, b: mx.array, bias: mx.array | None = None) -> mx.array:
+    """``a @ b`` (plus ``bias``), bit-identical to MLX's CPU product, faster when possible.
+
+    Args:
+        a: ``(..., K)`` activations.
+        b: ``(K, N)`` matrix (any strides, e.g. ``weight.T`` of an ``(N, K)`` weight).
+        bias: optional ``(N,)``. float32: ``(a @ b) + bias``; bfloat16/float16:
+            ``mx.addmm(bias, a, b)`` (the float32 sum plus the bias, rounded once), i.e.
+            exactly what :class:`mlx.nn.Linear` computes for that dtype.
+
+    Returns:
+        ``(..., N)`` in the operands' dtype.
+
+    Raises:
+        ValueError: shapes that ``mx.matmul`` also rejects.
+    """
+    if bias is not None and (bias.ndim != 1 or bias.dtype != a.dtype):
+        return _reference(a, b, bias)
+    if usable(a, b):
+        return _state["module"].exact_matmul(a, b, bias)
+    return _reference(a, b, bias)
+
+
+def _reference(a: mx.array, b: mx.array, bias: mx.array | None) -> mx.array:
+    if bias is None:
+        return a @ b
+    if a.dtype == mx.float32:
+        return (a @ b) + bias
+    return mx.addmm(bias, a, b)
