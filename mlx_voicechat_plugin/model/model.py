@@ -81,10 +81,11 @@ class Model(UpstreamModel):
 
     def clear_caches(self) -> None:
         """Drop and rebuild everything derived from weights: codebook tables, memoised text
-        conditions, positional projections, norm offsets, and the f32 copies of the RNNT
+        conditions, the silent EAR-TTS prompt, positional projections, norm offsets, and the f32 copies of the RNNT
         and subsampling products. Call it after changing parameters by hand (in place or
         by replacing them)."""
         self.tts_model.tts_model.clear_tables()
+        self.__dict__.pop("_silent_prompts", None)
         for projection in self._position_caches:
             projection.clear_memo()
         rebuild_derived(self, build=mx.default_device() == mx.cpu)

@@ -7,10 +7,11 @@
   defaults to recomputing the whole history at every position, O(T^2));
   ``use_language_cache=False`` keeps the reference recompute as a diagnostic;
 * the input is validated and capped up front (20 min of input, 600 s of extra silence);
-* one host readback per position (text and function ids and the first RNNT symbol
-  together); the RNNT transcript is decoded frame by frame inside the loop on its own CPU
-  stream (:class:`~.streaming.stages.TranscriptState`, the same greedy decisions as the
-  reference's ``_rnnt_decode``) instead of in a separate pass with a readback per symbol;
+* one host readback per position (the text and function ids together); the RNNT
+  transcript is decoded after the loop by :func:`~.transcript.greedy_transcript` (the
+  reference's decisions, scoring a window of frames per round trip instead of one);
+* EAR-TTS's silent audio prompt (a codec *encode* of ~3 s of zeros, the same for every
+  turn) is computed once per loaded model (:meth:`OfflineSession._tts_prompt`);
 * the session's RNG key is its own (:class:`~.rng.SessionRNG`), so seed ``s`` reproduces
   the reference's ``mx.random.seed(s)`` draws without disturbing other users of MLX's RNG;
 * a ``progress`` callback and the function-channel text in the result.
@@ -29,6 +30,7 @@ from mlx_vlm.models.nemotron_voicechat.session import VoiceChatSession
 
 from .audio_io import AudioInputError, read_audio
 from .rng import SessionRNG
+from .transcript import greedy_transcript
 
 #: Longest accepted input (the encoder builds a dense mask over the whole utterance).
 MAX_INPUT_SECONDS = 20 * 60
@@ -157,6 +159,25 @@ def prepare_waveform(
     return samples
 
 
+def silent_prompt(model, batch_size: int, build: Callable[[int], tuple]) -> tuple:
+    """``build(batch_size)`` evaluated once per model, batch size and parameter set."""
+    from mlx.utils import tree_flatten
+
+    tts = model.tts_model
+    fingerprint = tuple(
+        id(value)
+        for module in (tts.audio_codec, tts.audio_prompt_latents)
+        for _, value in tree_flatten(module.parameters())
+    )
+    memo = model.__dict__.setdefault("_silent_prompts", {})
+    cached = memo.get(batch_size)
+    if cached is None or cached[0] != fingerprint:
+        prompt = build(batch_size)
+        mx.eval(prompt)
+        cached = memo[batch_size] = (fingerprint, prompt)
+    return cached[1]
+
+
 class OfflineSession(VoiceChatSession):
     """Offline turns on one loaded model (upstream ``VoiceChatSession`` subclass).
 
@@ -202,6 +223,15 @@ class OfflineSession(VoiceChatSession):
                 "(each token costs one model step before the audio starts)"
             )
         return [config.bos_token_id, *tokens, config.eos_token_id]
+
+    def _tts_prompt(self, batch_size: int = 1):
+        """Upstream's silent EAR-TTS prompt, memoised on the model per batch size.
+
+        It encodes zeros with the audio codec (about 2 s for the medium demo checkpoint), a
+        pure function of the codec weights and the prompt latents: the memo is keyed by
+        those parameter objects and dropped by ``Model.clear_caches()`` (in-place edits).
+        """
+        return silent_prompt(self.model, batch_size, super()._tts_prompt)
 
     def decode_tokens(self, tokens: list[int]) -> str:
         """Decode ids, skipping pad, silence, BOS and EOS."""
@@ -279,12 +309,6 @@ class OfflineSession(VoiceChatSession):
         cache = stt.make_cache() if use_language_cache else None
         history: list[mx.array] = []
 
-        from .streaming.stages import TranscriptState
-
-        transcript = TranscriptState(model)
-        if not transcript.enabled:
-            transcript = None
-
         prompt = self._tts_prompt()
         _, tts_cache = tts.warmup(*prompt[:-1], audio_prompt_latent=prompt[-1], guidance=True)
         previous_code = prompt[0][:, -1:]
@@ -305,21 +329,12 @@ class OfflineSession(VoiceChatSession):
             else:
                 history.append(fused)
                 output = stt(mx.concatenate(history, axis=1))
-            rest = None
             if time >= prompt_frames:
                 ids = [
                     mx.argmax(output.text_logits[0, -1], keepdims=True).astype(mx.int32),
                     mx.argmax(output.function_logits[0, -1], keepdims=True).astype(mx.int32),
                 ]
-                if transcript is not None:
-                    # The RNNT transcript of this audio frame, on its own stream (beside
-                    # the LLM), read back with the ids; see TranscriptState.
-                    audio_index = time - prompt_frames
-                    ids.append(transcript.schedule(asr_embeds[:, audio_index : audio_index + 1]))
-                values = mx.concatenate(ids).tolist()
-                text[time], function[time] = values[0], values[1]
-                if transcript is not None:
-                    rest = transcript.schedule_rest(values[2])
+                text[time], function[time] = mx.concatenate(ids).tolist()
             if time > 0:
                 # The reference warms the LLM at position 0 without a TTS code; every later
                 # position (the prompt prefix included) advances EAR-TTS by one frame.
@@ -330,13 +345,8 @@ class OfflineSession(VoiceChatSession):
                     previous_code, current, mx.ones(current.shape, dtype=mx.bool_), tts_cache, guidance=True
                 ).codes
                 codes.append(previous_code)
-            extra = [rest] if rest is not None else []
-            if transcript is not None:
-                extra += transcript.state_arrays()
-            mx.eval(previous_code, output.text_logits, output.function_logits, *extra, *tts.pending_conditions())
+            mx.eval(previous_code, output.text_logits, output.function_logits, *tts.pending_conditions())
             tts.commit_conditions()
-            if transcript is not None and time >= prompt_frames:
-                transcript.commit(values[2:] + (rest.tolist() if rest is not None else []))
             if progress is not None:
                 progress(time + 1, total)
 
@@ -344,12 +354,13 @@ class OfflineSession(VoiceChatSession):
         generated = self._replace_control_codes(generated)
         decoded = model.tts_model.audio_codec.decode(generated.transpose(0, 2, 1))
         mx.eval(decoded, generated)
+        transcript, _ = greedy_transcript(model, asr_embeds, audio_frames)
         text = text[prompt_frames:]
         function = function[prompt_frames:]
         return OfflineResult(
             text=self.decode_tokens(text),
             function_text=self.decode_tokens(function),
-            user_transcript=None if transcript is None else transcript.text,
+            user_transcript=transcript,
             audio=np.array(decoded[0, 0].astype(mx.float32)),
             sample_rate=config.output_sample_rate,
             text_tokens=text,
