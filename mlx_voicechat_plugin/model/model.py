@@ -28,6 +28,7 @@ from mlx_vlm.models.nemotron_voicechat.model import Model as UpstreamModel
 
 from .. import native
 from .codec import ShapeKeyedISTFTCache, install_patch_upsampling
+from .convolutions import install_convolutions
 from .derived import rebuild_derived
 from .encoder import install_position_cache, install_subsampling_split
 from .parallel import install_split_linears
@@ -59,6 +60,7 @@ class Model(UpstreamModel):
         left_context = config.audio_config.encoder.att_context_size[0][0]
         self._position_caches = install_position_cache(self.stt_model.perception.encoder, left_context)
         install_subsampling_split(self.stt_model.perception.encoder.pre_encode)
+        install_convolutions(self)
         self.pinning: PinningReport | None = None
         self._tokenizer = None
 

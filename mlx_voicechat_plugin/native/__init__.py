@@ -1,18 +1,29 @@
-"""Exact-order matrix products for MLX's CPU backend (a small compiled MLX extension).
+"""Exact CPU kernels for MLX (a small compiled MLX extension), with MLX fallbacks.
 
-MLX's CPU backend computes float32 products with the reference BLAS ``sgemm`` and
+Each kernel computes what one MLX operation computes on the CPU, in the same order and with
+the same roundings, so results are bit-identical; only faster. The model calls the three
+wrappers here: :func:`matmul`, :func:`depthwise_conv1d` and :func:`lookup16`.
+
+**Products.** MLX's CPU backend computes float32 products with the reference BLAS ``sgemm`` and
 bfloat16/float16 products with its own scalar ``simd_gemm``. Both give each output the
 in-order float32 sum over the shared dimension (every product and sum rounded, no fused
-multiply-add) and round it once to the output dtype. ``exact_matmul.cpp`` computes that
+multiply-add) and round it once to the output dtype. ``kernels.cpp`` computes that
 same sum in that same order, vectorised across output columns and blocked across rows: the
 results are bit-identical to ``mx.matmul`` / ``mx.addmm`` and several times faster on rows
 of activations (10-15x at 64-441 rows, about 2.5x for two rows against a float32 weight on
 the machine in ``docs/performance.md``).
 
-:func:`matmul` is the one entry point the model uses. It runs the extension when the
-default device is the CPU and the extension is available, and MLX's own product otherwise
-(Apple GPUs, a machine without a C++ compiler, ``MLX_VOICECHAT_NATIVE=0``); either way the
-result is the same array. The extension is built on first use (:mod:`.build`, a few
+**Depthwise convolutions** (``nn.Conv1d`` with ``groups`` equal to the channels: the codec's
+ConvNeXt blocks, the conformer's convolution module, the Mamba layers): MLX sums the taps in
+order in float32 and rounds once; the kernel does the same, vectorised across channels
+(about 30x faster than MLX's CPU convolution on the codec's long inputs).
+
+**Table lookups** (the codec's bfloat16 GELU, :mod:`~mlx_voicechat_plugin.model.activations`):
+``table[bits(x)]`` as a contiguous loop (about 15x faster than MLX's general gather).
+
+Each wrapper runs the extension when the default device is the CPU and the extension is
+available, and the MLX operation otherwise (Apple GPUs, a machine without a C++ compiler,
+``MLX_VOICECHAT_NATIVE=0``); either way the result is the same array. The extension is built on first use (:mod:`.build`, a few
 seconds, cached per machine); :func:`status` says whether it is in use and why not.
 """
 
@@ -115,14 +126,49 @@ def reset() -> None:
 def usable(a: mx.array, b: mx.array) -> bool:
     """Whether :func:`matmul` would run the extension for these operands."""
     return (
-        b.ndim == 2
-        and a.ndim >= 1
-        and a.dtype == b.dtype
-        and a.dtype in _SUPPORTED
-        and mx.default_device() == mx.cpu
-        and not _switched_off()
-        and _load() is not None
+        b.ndim == 2 and a.ndim >= 1 and a.dtype == b.dtype and a.dtype in _SUPPORTED and _active()
     )
+
+
+def _active() -> bool:
+    return mx.default_device() == mx.cpu and not _switched_off() and _load() is not None
+
+
+def depthwise_conv1d(x: mx.array, weight: mx.array, padding: int = 0) -> mx.array:
+    """``mx.conv1d(x, weight, padding=padding, groups=C)``, bit for bit.
+
+    Args:
+        x: ``(B, T, C)`` activations.
+        weight: ``(C, K, 1)`` per-channel taps, same dtype as ``x``.
+        padding: zeros on both sides (taps over the padding are skipped, as MLX does).
+
+    Returns:
+        ``(B, T + 2 * padding - K + 1, C)``.
+    """
+    if (
+        x.ndim == 3
+        and weight.ndim == 3
+        and weight.shape[2] == 1
+        and weight.shape[0] == x.shape[2]
+        and x.dtype == weight.dtype
+        and x.dtype in _SUPPORTED
+        and _active()
+    ):
+        return _state["module"].depthwise_conv1d(x, weight, padding)
+    return mx.conv1d(x, weight, padding=padding, groups=x.shape[-1])
+
+
+def lookup16(x: mx.array, table: mx.array) -> mx.array:
+    """``mx.take(table, x.view(mx.uint16))`` for bfloat16/float16 ``x`` and a ``(65536,)``
+    ``table`` of the same dtype: the table entry for each element's bit pattern."""
+    if (
+        x.dtype in (mx.bfloat16, mx.float16)
+        and table.dtype == x.dtype
+        and table.shape == (65536,)
+        and _active()
+    ):
+        return _state["module"].lookup16(x, table)
+    return mx.take(table, x.view(mx.uint16))
 
 
 def matmul(a: mx.array, b: mx.array, bias: mx.array | None = None) -> mx.array:

@@ -1,4 +1,4 @@
-"""Build and load the exact-order CPU product (``exact_matmul.cpp``) on first use.
+"""Build and load the exact CPU kernels (``kernels.cpp``) on first use.
 
 The extension is compiled on the machine that runs it, against the MLX that is installed
 (its headers and ``libmlx`` ship in the ``mlx`` wheel) and with ``nanobind`` (a dependency),
@@ -31,8 +31,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("exact_matmul.cpp")
-MODULE = "_exact_matmul"
+SOURCE = Path(__file__).with_name("kernels.cpp")
+MODULE = "_kernels"
 #: Compiler flags for the kernel. ``-ffp-contract=off`` keeps every multiply and add
 #: separately rounded, as MLX's products round them.
 KERNEL_FLAGS = ("-O3", "-march=native", "-ffp-contract=off")

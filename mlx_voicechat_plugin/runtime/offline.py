@@ -30,7 +30,7 @@ from mlx_vlm.models.nemotron_voicechat.session import VoiceChatSession
 
 from .audio_io import AudioInputError, read_audio
 from .rng import SessionRNG
-from .transcript import greedy_transcript
+from .transcript import TranscriptJob
 
 #: Longest accepted input (the encoder builds a dense mask over the whole utterance).
 MAX_INPUT_SECONDS = 20 * 60
@@ -302,6 +302,7 @@ class OfflineSession(VoiceChatSession):
         prompt_frames = len(prompt_ids)
         total = prompt_frames + audio_frames
         mx.eval(audio_embeds, asr_embeds)
+        transcript_job = TranscriptJob(model, asr_embeds, audio_frames)
 
         pad = config.pad_token_id
         text = [pad] * total
@@ -354,7 +355,7 @@ class OfflineSession(VoiceChatSession):
         generated = self._replace_control_codes(generated)
         decoded = model.tts_model.audio_codec.decode(generated.transpose(0, 2, 1))
         mx.eval(decoded, generated)
-        transcript, _ = greedy_transcript(model, asr_embeds, audio_frames)
+        transcript, _ = transcript_job.result()
         text = text[prompt_frames:]
         function = function[prompt_frames:]
         return OfflineResult(

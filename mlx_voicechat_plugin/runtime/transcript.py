@@ -12,8 +12,10 @@ batched call and reads back the window's symbols at once; it stops at the first 
 frame, applies that symbol exactly as upstream does, and continues from the same frame.
 Every joint row is the same computation on the same inputs as upstream's single-frame call
 (the encoder projection, the add and every product are row-independent), so the symbols,
-and therefore the transcript, are identical; the round trips drop to about one per symbol
-plus one per :data:`WINDOW` blank frames.
+and therefore the transcript, are identical. Further symbols on the same frame are chained
+on the device (masked after the first blank) and read back together. The round trips drop
+from one per frame plus one per symbol to about one per :data:`WINDOW` blank frames plus
+one or two per emitting frame.
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ WINDOW = 16
 def greedy_transcript(model, encoded: mx.array, length: int, window: int = WINDOW) -> tuple[str | None, list[int]]:
     """Greedy RNNT decode of ``encoded[:, :length]`` with upstream's exact decisions.
 
+    Blank runs are scored :data:`WINDOW` frames per round trip (see the module docstring).
+    After a symbol, the next steps on the same frame are chained on the device, masked
+    after the first blank, and read back together: 1, 2, 4, ... steps per round trip while
+    every step emits, up to ``max_symbols`` per frame.
+
     Args:
         model: the loaded VoiceChat model (``stt_model.rnnt_decoder`` / ``rnnt_joint``).
-        encoded: ``(1, T, d)`` encoder frames for the RNNT (``asr_embeds``).
+        encoded: ``(1, T, d)`` encoder frames for the RNNT (``asr_embeds``), evaluated.
         length: frames to decode (``<= T``).
         window: frames scored per joint call (>= 1); does not change the result.
 
@@ -43,48 +50,127 @@ def greedy_transcript(model, encoded: mx.array, length: int, window: int = WINDO
     """
     if window < 1:
         raise ValueError(f"window must be at least 1, got {window}")
-    config = model.config
-    vocabulary = config.rnnt_vocabulary
+    vocabulary = model.config.rnnt_vocabulary
     if not vocabulary:
         return None, []
-    decoder = model.stt_model.rnnt_decoder
-    joint = model.stt_model.rnnt_joint
-    blank = config.rnnt_blank_id
-    max_symbols = config.audio_config.max_symbols
-    dtype = encoded.dtype
-
-    projected = joint.enc(encoded[:, :length])  # (1, T, H), row by row as upstream
-    last, hidden = blank, None
-    prediction = proposed = None
-    tokens: list[int] = []
-    time = 0
-    new_symbols = 0
-    while time < length:
-        if prediction is None:
-            token = mx.array([[last]], dtype=mx.int32) if last != blank else None
-            output, proposed = decoder(token, hidden)
-            prediction = joint.pred(output.astype(dtype))
-        stop = min(time + window, length)
-        x = mx.expand_dims(projected[:, time:stop], 2) + mx.expand_dims(prediction, 1)
-        for layer in joint.joint_net:
-            x = layer(x)
-        symbols = mx.argmax(x, axis=-1).reshape(-1).tolist()
-        first = next((index for index, symbol in enumerate(symbols) if symbol != blank), None)
-        if first is None:
-            time = stop
-            new_symbols = 0
-            continue
-        if first > 0:
-            time += first
-            new_symbols = 0
-        symbol = symbols[first]
-        last = symbol
-        hidden = tuple(value.astype(dtype) for value in proposed)
-        prediction = None
-        if not rnnt_tokenizer.is_special_token(symbol, vocabulary):
-            tokens.append(symbol)
-        new_symbols += 1
-        if new_symbols >= max_symbols:
-            time += 1
-            new_symbols = 0
+    decoder = _GreedyDecoder(model, encoded, length)
+    symbols = decoder.run(window)
+    tokens = [symbol for symbol in symbols if not rnnt_tokenizer.is_special_token(symbol, vocabulary)]
     return rnnt_tokenizer.decode(tokens, vocabulary).strip(), tokens
+
+
+class _GreedyDecoder:
+    """State of one greedy decode: last symbol, LSTM state, frame, symbols on this frame."""
+
+    def __init__(self, model, encoded: mx.array, length: int):
+        config = model.config
+        self.decoder = model.stt_model.rnnt_decoder
+        self.joint = model.stt_model.rnnt_joint
+        self.blank = config.rnnt_blank_id
+        self.max_symbols = config.audio_config.max_symbols
+        self.dtype = encoded.dtype
+        self.length = length
+        self.projected = self.joint.enc(encoded[:, :length])  # (1, T, H), row by row as upstream
+        self.last = self.blank
+        self.hidden = None
+
+    def _step(self, token: mx.array | None, hidden):
+        """Upstream's ``decoder(token, hidden)``: (joint prediction, proposed state)."""
+        output, proposed = self.decoder(token, hidden)
+        return self.joint.pred(output.astype(self.dtype)), tuple(value.astype(self.dtype) for value in proposed)
+
+    def _scores(self, frames: mx.array, prediction: mx.array) -> mx.array:
+        """Upstream ``JointNetwork.__call__`` after the encoder projection; argmax per frame."""
+        x = mx.expand_dims(frames, 2) + mx.expand_dims(prediction, 1)
+        for layer in self.joint.joint_net:
+            x = layer(x)
+        return mx.argmax(x, axis=-1).reshape(-1).astype(mx.int32)
+
+    def run(self, window: int) -> list[int]:
+        symbols: list[int] = []
+        time = 0
+        while time < self.length:
+            token = mx.array([[self.last]], dtype=mx.int32) if self.last != self.blank else None
+            prediction, proposed = self._step(token, self.hidden)
+            stop = min(time + window, self.length)
+            scores = self._scores(self.projected[:, time:stop], prediction).tolist()
+            first = next((index for index, symbol in enumerate(scores) if symbol != self.blank), None)
+            if first is None:
+                time = stop
+                continue
+            time += first
+            self.last, self.hidden = scores[first], proposed
+            symbols.append(scores[first])
+            time += self._chain(time, symbols)
+        return symbols
+
+    def _chain(self, time: int, symbols: list[int]) -> int:
+        """Further symbols on frame ``time`` after its first; returns 1 (the decode moves to
+        the next frame after a blank or ``max_symbols`` symbols)."""
+        emitted = 1
+        steps = 1
+        frame = self.projected[:, time : time + 1]
+        while emitted < self.max_symbols:
+            steps = min(steps, self.max_symbols - emitted)
+            last = mx.array([[self.last]], dtype=mx.int32)
+            hidden = self.hidden
+            active = mx.array(True)
+            chained = []
+            for _ in range(steps):
+                prediction, proposed = self._step(last, hidden)
+                symbol = self._scores(frame, prediction)[0]
+                emit = active & (symbol != self.blank)
+                last = mx.where(emit, symbol, last)
+                hidden = tuple(mx.where(emit, new, old) for new, old in zip(proposed, hidden))
+                chained.append(mx.where(emit, symbol, -1))
+                active = emit
+            values = mx.stack(chained).tolist()
+            count = next((index for index, value in enumerate(values) if value < 0), steps)
+            if count:
+                symbols.extend(values[:count])
+                self.last, self.hidden = values[count - 1], hidden
+                emitted += count
+            if count < steps:  # a blank: next frame
+                return 1
+            steps *= 2
+        return 1
+
+
+class TranscriptJob:
+    """:func:`greedy_transcript` on a worker thread, beside the caller's own MLX work.
+
+    The decode is a chain of small steps and host round trips that leaves the cores mostly
+    idle, so the offline turn runs it concurrently with its main loop. The worker builds its
+    operations on its own CPU stream (:func:`~mlx_voicechat_plugin.model.parallel.side_stream`
+    of that thread); its inputs are evaluated first on the calling thread. :meth:`result`
+    joins the thread and re-raises its exception, if any.
+    """
+
+    def __init__(self, model, encoded: mx.array, length: int):
+        import threading
+
+        # MLX evaluates a graph only on the thread that built it: hand the worker evaluated
+        # inputs (weights edited in place or loaded lazily may still be pending here).
+        mx.eval(encoded, model.stt_model.rnnt_decoder.parameters(), model.stt_model.rnnt_joint.parameters())
+        self._outcome: tuple | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._work, args=(model, encoded, length), name="voicechat-rnnt", daemon=True
+        )
+        self._thread.start()
+
+    def _work(self, model, encoded, length) -> None:
+        from ..model.parallel import side_stream
+
+        try:
+            with mx.stream(side_stream()):
+                self._outcome = greedy_transcript(model, encoded, length)
+        except BaseException as error:  # noqa: BLE001 - handed to result()
+            self._error = error
+
+    def result(self) -> tuple[str | None, list[int]]:
+        """Wait for the decode; ``(text, tokens)`` as :func:`greedy_transcript` returns."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._outcome

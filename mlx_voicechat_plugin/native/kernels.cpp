@@ -1,4 +1,7 @@
-// Exact-order matrix product for MLX's CPU backend.
+// Exact CPU kernels for MLX: each computes what one MLX operation computes, in the same
+// order and with the same roundings, so its results are bit-identical, only faster.
+//
+// exact_matmul: the matrix product.
 //
 // MLX's CPU matmul hands float32 products to the reference BLAS sgemm and runs bfloat16 /
 // float16 products through its own simd_gemm (simd width 1 off Apple silicon). Both compute
@@ -8,9 +11,16 @@
 // order, but vectorised across output columns and register-blocked across rows, so its
 // results are bit-identical to mx.matmul on the CPU while running several times faster.
 //
+// lookup16: y[i] = table[bits(x[i])] for 16-bit floats (a 65,536-entry activation table),
+// a contiguous loop instead of MLX's general gather.
+//
+// depthwise_conv1d: MLX's conv1d with groups == channels, stride 1, no padding/dilation.
+// MLX sums the taps in order in float32 (products of the widened inputs) and rounds once.
+//
 // Build with -ffp-contract=off: a contracted multiply-add would round differently.
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -291,12 +301,181 @@ mx::array exact_matmul(const mx::array& a, const mx::array& b, std::optional<mx:
                    std::move(inputs));
 }
 
+
+// ---------------------------------------------------------------------------------------
+// lookup16
+
+class Lookup16 : public mx::UnaryPrimitive {
+ public:
+  explicit Lookup16(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    const mx::array& table = inputs[1];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(table);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), table = mx::array::unsafe_weak_copy(table),
+                      out = mx::array::unsafe_weak_copy(out)]() mutable {
+      const uint16_t* in = x.data<uint16_t>();
+      const uint16_t* values = table.data<uint16_t>();
+      uint16_t* result = out.data<uint16_t>();
+      const size_t n = out.size();
+      for (size_t i = 0; i < n; ++i) result[i] = values[in[i]];
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("lookup16 has no GPU implementation");
+  }
+
+  const char* name() const override {
+    return "Lookup16";
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
+mx::array lookup16(const mx::array& x, const mx::array& table) {
+  if ((x.dtype() != mx::bfloat16 && x.dtype() != mx::float16) || table.dtype() != x.dtype() ||
+      table.ndim() != 1 || table.shape(0) != 65536) {
+    throw std::invalid_argument(
+        "lookup16: x must be bfloat16/float16 and table a (65536,) array of the same dtype");
+  }
+  mx::Stream stream = mx::default_stream(mx::default_device());
+  if (stream.device.type != mx::Device::DeviceType::cpu) {
+    throw std::invalid_argument("lookup16 runs on the CPU stream only");
+  }
+  return mx::array(x.shape(), x.dtype(), std::make_shared<Lookup16>(stream),
+                   {mx::contiguous(x, false, stream), mx::contiguous(table, false, stream)});
+}
+
+// ---------------------------------------------------------------------------------------
+// depthwise_conv1d
+
+template <typename T>
+void depthwise(const T* x, const T* w, T* y, long batch, long steps_in, long channels, long taps,
+               long padding) {
+  // Output t sums taps k = 0..taps-1 over input t + k - padding, skipping taps that fall in
+  // the padding (as MLX does) rather than adding zero products.
+  const long steps = steps_in + 2 * padding - taps + 1;
+  std::vector<float> weights(static_cast<size_t>(taps) * channels);
+  for (long c = 0; c < channels; ++c) {
+    for (long k = 0; k < taps; ++k) weights[k * channels + c] = widen(w[c * taps + k]);
+  }
+  std::vector<float> row(channels);
+  for (long b = 0; b < batch; ++b) {
+    const T* xb = x + b * steps_in * channels;
+    T* yb = y + b * steps * channels;
+    for (long t = 0; t < steps; ++t) {
+      std::fill(row.begin(), row.end(), 0.0f);
+      for (long k = 0; k < taps; ++k) {
+        const long source = t + k - padding;
+        if (source < 0 || source >= steps_in) continue;
+        const T* xr = xb + source * channels;
+        const float* wr = weights.data() + k * channels;
+        for (long c = 0; c < channels; ++c) {
+          const float product = widen(xr[c]) * wr[c];
+          row[c] = row[c] + product;
+        }
+      }
+      for (long c = 0; c < channels; ++c) yb[t * channels + c] = T(row[c]);
+    }
+  }
+}
+
+class DepthwiseConv1d : public mx::UnaryPrimitive {
+ public:
+  DepthwiseConv1d(mx::Stream stream, int padding) : mx::UnaryPrimitive(stream), padding_(padding) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    const mx::array& w = inputs[1];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
+                      out = mx::array::unsafe_weak_copy(out), padding = long(padding_)]() mutable {
+      const long batch = x.shape(0), steps_in = x.shape(1), channels = x.shape(2), taps = w.shape(1);
+      if (out.size() == 0) return;
+      switch (out.dtype()) {
+        case mx::float32:
+          depthwise<float>(x.data<float>(), w.data<float>(), out.data<float>(), batch, steps_in, channels, taps, padding);
+          break;
+        case mx::bfloat16:
+          depthwise<mx::bfloat16_t>(x.data<mx::bfloat16_t>(), w.data<mx::bfloat16_t>(),
+                                    out.data<mx::bfloat16_t>(), batch, steps_in, channels, taps, padding);
+          break;
+        case mx::float16:
+          depthwise<mx::float16_t>(x.data<mx::float16_t>(), w.data<mx::float16_t>(),
+                                   out.data<mx::float16_t>(), batch, steps_in, channels, taps, padding);
+          break;
+        default:
+          throw std::runtime_error("depthwise_conv1d: unsupported dtype");
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("depthwise_conv1d has no GPU implementation");
+  }
+
+  const char* name() const override {
+    return "DepthwiseConv1d";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return static_cast<const DepthwiseConv1d&>(other).padding_ == padding_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[0].shape(1) + 2 * padding_ - inputs[1].shape(1) + 1,
+             inputs[0].shape(2)}};
+  }
+
+ private:
+  int padding_;
+};
+
+mx::array depthwise_conv1d(const mx::array& x, const mx::array& w, int padding) {
+  if (x.ndim() != 3 || w.ndim() != 3 || w.shape(2) != 1 || w.shape(0) != x.shape(2) ||
+      w.shape(1) < 1 || padding < 0 || x.shape(1) + 2 * padding < w.shape(1)) {
+    throw std::invalid_argument(
+        "depthwise_conv1d: x must be (B, T, C) and w (C, K, 1) with 1 <= K <= T + 2 * padding");
+  }
+  if (x.dtype() != w.dtype() ||
+      (x.dtype() != mx::float32 && x.dtype() != mx::bfloat16 && x.dtype() != mx::float16)) {
+    throw std::invalid_argument("depthwise_conv1d: x and w must share one floating dtype");
+  }
+  mx::Stream stream = mx::default_stream(mx::default_device());
+  if (stream.device.type != mx::Device::DeviceType::cpu) {
+    throw std::invalid_argument("depthwise_conv1d runs on the CPU stream only");
+  }
+  mx::Shape shape = {x.shape(0), x.shape(1) + 2 * padding - w.shape(1) + 1, x.shape(2)};
+  return mx::array(std::move(shape), x.dtype(), std::make_shared<DepthwiseConv1d>(stream, padding),
+                   {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream)});
+}
+
 }  // namespace
 
-NB_MODULE(_exact_matmul, m) {
-  m.doc() = "Exact-order CPU matrix product (bit-identical to mx.matmul on the CPU).";
+NB_MODULE(_kernels, m) {
+  m.doc() = "Exact CPU kernels for MLX (bit-identical to the MLX operations they replace).";
   m.def("exact_matmul", &exact_matmul, nb::arg("a"), nb::arg("b"), nb::arg("bias") = nb::none(),
         "a (..., K) @ b (K, N) [+ bias (N,)] -> (..., N), one dtype; bit-identical to\n"
         "mx.matmul(a, b) (float32: (a @ b) + bias; bfloat16/float16: mx.addmm(bias, a, b))\n"
         "on the CPU.");
+  m.def("lookup16", &lookup16, nb::arg("x"), nb::arg("table"),
+        "table[bits(x)] for bfloat16/float16 x and a (65536,) table of the same dtype.");
+  m.def("depthwise_conv1d", &depthwise_conv1d, nb::arg("x"), nb::arg("w"), nb::arg("padding") = 0,
+        "mx.conv1d(x, w, padding=padding, groups=C) for x (B, T, C), w (C, K, 1), stride 1.");
 }
