@@ -31,11 +31,11 @@ from .codec import ShapeKeyedISTFTCache, install_patch_upsampling
 from .convolutions import install_convolutions
 from .derived import rebuild_derived
 from .encoder import install_position_cache, install_subsampling_split
+from .norms import install_norms
 from .parallel import install_split_linears
 from .pinning import PinningReport, pin_f32_weights, pinning_enabled
 from .rnnt import install_rnnt_shadows
 from .tts import FastRVQEARTTSModel
-from .tts_blocks import install_tts_blocks
 from .validation import validate_config
 
 
@@ -74,7 +74,7 @@ class Model(UpstreamModel):
             self.pinning = pin_f32_weights(self)
         # After loading: mlx-vlm quantizes (replacing Linear modules) before this call.
         install_split_linears(self)
-        install_tts_blocks(self.tts_model.tts_model)
+        install_norms(self)
         install_rnnt_shadows(self.stt_model.rnnt_decoder, self.stt_model.rnnt_joint)
         if mx.default_device() == mx.cpu:
             native.available()  # build/load the exact CPU product kernel now, not mid-frame

@@ -34,7 +34,7 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..native import matmul
+from ..native import linear
 
 #: Environment switch: ``0`` keeps every product on one stream.
 SPLIT_ENV = "MLX_VOICECHAT_CPU_SPLIT"
@@ -184,12 +184,12 @@ class SplitLinear(nn.Linear):
             def whole(inputs):
                 # Not addmm: with this layout BLAS would start the sum from the bias,
                 # whereas the (N, K) layout adds the bias to the finished sum.
-                return matmul(inputs, weight.T, bias)
+                return linear(inputs, weight, bias)
 
             return split_rows(x, whole, weight.size)
 
         def columns(inputs, start, stop):
-            return matmul(inputs, weight[start:stop].T, None if bias is None else bias[start:stop])
+            return linear(inputs, weight[start:stop], None if bias is None else bias[start:stop])
 
         return split_columns(x, weight.shape[0], columns, weight.size)
 

@@ -141,11 +141,23 @@ class FastRVQEARTTSModel(RVQEARTTSModel):
         return mx.cumsum(rows.astype(mx.float32), axis=-2)[..., -1, :]
 
     def _rvq_encode_step(self, residual, code, start, count):
+        """Upstream ``_rvq_encode_step``: codebooks ``[start, start + count)`` by nearest
+        codeword. The untouched codebooks are sliced as two blocks rather than one slice per
+        codebook; the concatenation promotes dtypes exactly as upstream's ``stack`` of the
+        per-codebook pieces does (only non-empty blocks take part)."""
         norms, transposed = self._table("norms"), self._table("f32t")
-        pieces = [code[..., i] for i in range(self.config.num_quantizers)]
+        selected = []
         for index in range(start, start + count):
             distances = norms[index] - 2.0 * matmul(residual, transposed[index])
-            selected = mx.argmin(distances, axis=-1)
-            residual = residual - self.rvq_embs[index][selected]
-            pieces[index] = selected
-        return mx.stack(pieces, axis=-1)
+            chosen = mx.argmin(distances, axis=-1)
+            residual = residual - self.rvq_embs[index][chosen]
+            selected.append(chosen)
+        if not selected:
+            return code
+        quantizers = self.config.num_quantizers
+        parts = [mx.stack(selected, axis=-1)]
+        if start > 0:
+            parts.insert(0, code[..., :start])
+        if start + count < quantizers:
+            parts.append(code[..., start + count :])
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)

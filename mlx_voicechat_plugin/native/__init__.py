@@ -1,8 +1,9 @@
 """Exact CPU kernels for MLX (a small compiled MLX extension), with MLX fallbacks.
 
 Each kernel computes what one MLX operation computes on the CPU, in the same order and with
-the same roundings, so results are bit-identical; only faster. The model calls the three
-wrappers here: :func:`matmul`, :func:`depthwise_conv1d` and :func:`lookup16`.
+the same roundings, so results are bit-identical; only faster. The model calls the
+wrappers here: :func:`matmul` / :func:`linear`, :func:`depthwise_conv1d`, :func:`rms_norm`
+and :func:`lookup16`.
 
 **Products.** MLX's CPU backend computes float32 products with the reference BLAS ``sgemm`` and
 bfloat16/float16 products with its own scalar ``simd_gemm``. Both give each output the
@@ -158,6 +159,30 @@ def depthwise_conv1d(x: mx.array, weight: mx.array, padding: int = 0) -> mx.arra
     return mx.conv1d(x, weight, padding=padding, groups=x.shape[-1])
 
 
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """``mx.fast.rms_norm(x, weight, eps)``, bit for bit (one kernel instead of the eight
+    operations MLX's CPU backend runs: float32 square, in-order sum, times ``1 / n``, plus
+    ``eps``, ``1 / sqrt``, scale, cast, times ``weight``).
+
+    Args:
+        x: ``(..., n)``.
+        weight: ``(n,)``; the kernel runs when it has ``x``'s dtype or a narrower one
+            (cast first, as ``mx.fast.rms_norm`` casts it).
+    """
+    if weight.dtype != x.dtype and x.dtype in _SUPPORTED and mx.result_type(x, weight) == x.dtype:
+        weight = weight.astype(x.dtype)  # what mx.fast.rms_norm does with a narrower weight
+    if (
+        weight.ndim == 1
+        and x.ndim >= 1
+        and weight.shape[0] == x.shape[-1]
+        and x.dtype == weight.dtype
+        and x.dtype in _SUPPORTED
+        and _active()
+    ):
+        return _state["module"].rms_norm(x, weight, eps)
+    return mx.fast.rms_norm(x, weight, eps)
+
+
 def lookup16(x: mx.array, table: mx.array) -> mx.array:
     """``mx.take(table, x.view(mx.uint16))`` for bfloat16/float16 ``x`` and a ``(65536,)``
     ``table`` of the same dtype: the table entry for each element's bit pattern."""
@@ -192,6 +217,23 @@ def matmul(a: mx.array, b: mx.array, bias: mx.array | None = None) -> mx.array:
     if usable(a, b):
         return _state["module"].exact_matmul(a, b, bias)
     return _reference(a, b, bias)
+
+
+def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+    """``x @ weight.T`` (plus ``bias``) as :class:`mlx.nn.Linear` computes it, bit for bit.
+
+    Same as :func:`matmul` with ``b = weight.T``, without building the transpose.
+
+    Args:
+        x: ``(..., K)``.
+        weight: ``(N, K)``.
+        bias: optional ``(N,)`` (see :func:`matmul` for how it is added).
+    """
+    if bias is not None and (bias.ndim != 1 or bias.dtype != x.dtype):
+        return _reference(x, weight.T, bias)
+    if weight.ndim == 2 and x.ndim >= 1 and x.dtype == weight.dtype and x.dtype in _SUPPORTED and _active():
+        return _state["module"].exact_matmul(x, weight, bias, True)
+    return _reference(x, weight.T, bias)
 
 
 def _reference(a: mx.array, b: mx.array, bias: mx.array | None) -> mx.array:

@@ -17,9 +17,12 @@
 // depthwise_conv1d: MLX's conv1d with groups == channels, stride 1, no padding/dilation.
 // MLX sums the taps in order in float32 (products of the widened inputs) and rounds once.
 //
+// rms_norm: mx.fast.rms_norm on the CPU (MLX runs its fallback graph there).
+//
 // Build with -ffp-contract=off: a contracted multiply-add would round differently.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -89,6 +92,43 @@ inline void block(const float* a, long K, const float* panel, long ldp, float* o
   }
 }
 
+// Per-thread scratch space, grown as needed and reused: a kernel call must not pay for
+// malloc (large blocks come from mmap with fresh, faulting pages).
+enum Scratch { kPanelScratch, kRowsScratch, kResultScratch, kDepthwiseWeights, kDepthwiseRow, kScratchCount };
+
+inline float* scratch(Scratch slot, size_t count) {
+  thread_local std::vector<float> buffers[kScratchCount];
+  std::vector<float>& buffer = buffers[slot];
+  if (buffer.size() < count) buffer.resize(count);
+  return buffer.data();
+}
+
+// A row-contiguous copy of any strided array (row-major logical order), in per-thread
+// scratch; the array itself when it is already row-contiguous.
+template <typename T>
+const T* row_contiguous(const mx::array& x, int slot = 0) {
+  if (x.flags().row_contiguous) return x.data<T>();
+  thread_local std::vector<char> buffers[2];
+  std::vector<char>& bytes = buffers[slot];
+  const size_t n = x.size();
+  if (bytes.size() < n * sizeof(T)) bytes.resize(n * sizeof(T));
+  T* dst = reinterpret_cast<T*>(bytes.data());
+  const T* src = x.data<T>();
+  const int ndim = x.ndim();
+  std::vector<int64_t> index(ndim, 0);
+  int64_t offset = 0;
+  for (size_t i = 0; i < n; ++i) {
+    dst[i] = src[offset];
+    for (int d = ndim - 1; d >= 0; --d) {
+      offset += x.strides()[d];
+      if (++index[d] < x.shape(d)) break;
+      offset -= x.strides()[d] * x.shape(d);
+      index[d] = 0;
+    }
+  }
+  return dst;
+}
+
 template <typename T>
 inline float widen(T x) {
   return static_cast<float>(x);
@@ -98,19 +138,18 @@ inline float widen(T x) {
 // b[k * sbk + n * sbn]. Every output is the in-order float32 sum over k.
 template <typename T>
 void product(const T* a, const T* b, long M, long N, long K, long sbk, long sbn, float* out) {
-  std::vector<float> panel(std::max<long>(K, 1) * kPanel);
-  std::vector<float> rows;
+  float* const panel = scratch(kPanelScratch, static_cast<size_t>(std::max<long>(K, 1)) * kPanel);
   const float* a32 = nullptr;
   if constexpr (std::is_same_v<T, float>) {
     a32 = a;
   } else {
-    rows.resize(static_cast<size_t>(M) * K);
+    float* rows = scratch(kRowsScratch, static_cast<size_t>(M) * K);
     for (long i = 0; i < M * K; ++i) rows[i] = widen(a[i]);
-    a32 = rows.data();
+    a32 = rows;
   }
   for (long j = 0; j < N; j += kPanel) {
     const int width = static_cast<int>(std::min<long>(kPanel, N - j));
-    const float* p = panel.data();
+    const float* p = panel;
     long ldp = kPanel;
     if constexpr (std::is_same_v<T, float>) {
       // Row-contiguous float32 (K, N) operand: read the full-width panels in place.
@@ -119,9 +158,9 @@ void product(const T* a, const T* b, long M, long N, long K, long sbk, long sbn,
         ldp = sbk;
       }
     }
-    for (long k = 0; p == panel.data() && k < K; ++k) {
+    for (long k = 0; p == panel && k < K; ++k) {
       const T* src = b + k * sbk + j * sbn;
-      float* dst = panel.data() + k * kPanel;
+      float* dst = panel + k * kPanel;
       if (sbn == 1) {
         for (int t = 0; t < width; ++t) dst[t] = widen(src[t]);
       } else {
@@ -149,22 +188,21 @@ void product(const T* a, const T* b, long M, long N, long K, long sbk, long sbn,
   }
 }
 
+// b (K x N) is inputs[1], or its transpose when `transposed` (inputs[1] is then N x K).
 template <typename T>
-void run(const mx::array& a, const mx::array& b, const mx::array* bias, mx::array& out, long M,
-         long N, long K) {
-  const T* pa = a.data<T>();
+void run(const mx::array& a, const mx::array& b, bool transposed, const mx::array* bias,
+         mx::array& out, long M, long N, long K) {
+  const T* pa = row_contiguous<T>(a);
   const T* pb = b.data<T>();
-  const long sbk = b.strides()[0];
-  const long sbn = b.strides()[1];
+  const long sbk = transposed ? b.strides()[1] : b.strides()[0];
+  const long sbn = transposed ? b.strides()[0] : b.strides()[1];
   T* po = out.data<T>();
   if (M == 0 || N == 0) return;
-  std::vector<float> buffer;
   float* result = nullptr;
   if constexpr (std::is_same_v<T, float>) {
     result = po;
   } else {
-    buffer.resize(static_cast<size_t>(M) * N);
-    result = buffer.data();
+    result = scratch(kResultScratch, static_cast<size_t>(M) * N);
   }
   if (K == 0) {
     std::fill(result, result + M * N, 0.0f);
@@ -186,14 +224,14 @@ void run(const mx::array& a, const mx::array& b, const mx::array* bias, mx::arra
 
 class ExactMatmul : public mx::UnaryPrimitive {
  public:
-  explicit ExactMatmul(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  ExactMatmul(mx::Stream stream, bool transposed) : mx::UnaryPrimitive(stream), transposed_(transposed) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& a = inputs[0];
     const mx::array& b = inputs[1];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    const long K = b.shape(0);
-    const long N = b.shape(1);
+    const long K = transposed_ ? b.shape(1) : b.shape(0);
+    const long N = transposed_ ? b.shape(0) : b.shape(1);
     const long M = K == 0 ? static_cast<long>(out.size() / std::max<long>(N, 1))
                           : static_cast<long>(a.size() / K);
     auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -204,17 +242,18 @@ class ExactMatmul : public mx::UnaryPrimitive {
     encoder.set_output_array(out);
     encoder.dispatch([a = mx::array::unsafe_weak_copy(a), b = mx::array::unsafe_weak_copy(b),
                       c = mx::array::unsafe_weak_copy(has_bias ? inputs[2] : b), has_bias,
-                      out = mx::array::unsafe_weak_copy(out), M, N, K]() mutable {
+                      transposed = transposed_, out = mx::array::unsafe_weak_copy(out), M, N,
+                      K]() mutable {
       const mx::array* bias = has_bias ? &c : nullptr;
       switch (out.dtype()) {
         case mx::float32:
-          run<float>(a, b, bias, out, M, N, K);
+          run<float>(a, b, transposed, bias, out, M, N, K);
           break;
         case mx::bfloat16:
-          run<mx::bfloat16_t>(a, b, bias, out, M, N, K);
+          run<mx::bfloat16_t>(a, b, transposed, bias, out, M, N, K);
           break;
         case mx::float16:
-          run<mx::float16_t>(a, b, bias, out, M, N, K);
+          run<mx::float16_t>(a, b, transposed, bias, out, M, N, K);
           break;
         default:
           throw std::runtime_error("exact_matmul: unsupported dtype");
@@ -232,7 +271,7 @@ class ExactMatmul : public mx::UnaryPrimitive {
       const std::vector<int>& argnums,
       const std::vector<mx::array>&) override {
     const mx::array& a = primals[0];
-    const mx::array& b = primals[1];
+    const mx::array b = transposed_ ? mx::transpose(primals[1], stream()) : primals[1];
     const mx::array& cotangent = cotangents[0];
     std::vector<mx::array> grads;
     for (int arg : argnums) {
@@ -246,7 +285,8 @@ class ExactMatmul : public mx::UnaryPrimitive {
         const int N = b.shape(1);
         auto rows = mx::reshape(a, {-1, K}, stream());
         auto cot = mx::reshape(cotangent, {-1, N}, stream());
-        grads.push_back(mx::matmul(mx::transpose(rows, stream()), cot, stream()));
+        auto grad = mx::matmul(mx::transpose(rows, stream()), cot, stream());
+        grads.push_back(transposed_ ? mx::transpose(grad, stream()) : grad);
       }
     }
     return grads;
@@ -256,27 +296,33 @@ class ExactMatmul : public mx::UnaryPrimitive {
     return "ExactMatmul";
   }
 
-  bool is_equivalent(const mx::Primitive&) const override {
-    return true;
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return static_cast<const ExactMatmul&>(other).transposed_ == transposed_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     mx::Shape shape = inputs[0].shape();
-    shape.back() = inputs[1].shape(1);
+    shape.back() = transposed_ ? inputs[1].shape(0) : inputs[1].shape(1);
     return {shape};
   }
+
+ private:
+  bool transposed_;
 };
 
-mx::array exact_matmul(const mx::array& a, const mx::array& b, std::optional<mx::array> bias) {
+mx::array exact_matmul(const mx::array& a, const mx::array& b, std::optional<mx::array> bias,
+                       bool transpose) {
   if (a.ndim() < 1 || b.ndim() != 2) {
     throw std::invalid_argument(
         "exact_matmul: a must have at least 1 dimension and b exactly 2, got shapes " +
         std::to_string(a.ndim()) + "-D and " + std::to_string(b.ndim()) + "-D");
   }
-  if (a.shape(-1) != b.shape(0)) {
+  const int inner = transpose ? b.shape(1) : b.shape(0);
+  const int width = transpose ? b.shape(0) : b.shape(1);
+  if (a.shape(-1) != inner) {
     throw std::invalid_argument(
         "exact_matmul: inner dimensions differ (" + std::to_string(a.shape(-1)) + " vs " +
-        std::to_string(b.shape(0)) + ")");
+        std::to_string(inner) + ")");
   }
   if (a.dtype() != b.dtype() ||
       (a.dtype() != mx::float32 && a.dtype() != mx::bfloat16 && a.dtype() != mx::float16)) {
@@ -287,17 +333,17 @@ mx::array exact_matmul(const mx::array& a, const mx::array& b, std::optional<mx:
   if (stream.device.type != mx::Device::DeviceType::cpu) {
     throw std::invalid_argument("exact_matmul runs on the CPU stream only");
   }
-  std::vector<mx::array> inputs = {mx::contiguous(a, false, stream), b};
+  std::vector<mx::array> inputs = {a, b};
   if (bias.has_value()) {
-    if (bias->ndim() != 1 || bias->shape(0) != b.shape(1) || bias->dtype() != a.dtype()) {
+    if (bias->ndim() != 1 || bias->shape(0) != width || bias->dtype() != a.dtype()) {
       throw std::invalid_argument(
           "exact_matmul: bias must be a vector of the output width with the same dtype");
     }
     inputs.push_back(*bias);
   }
   mx::Shape shape = a.shape();
-  shape.back() = b.shape(1);
-  return mx::array(std::move(shape), a.dtype(), std::make_shared<ExactMatmul>(stream),
+  shape.back() = width;
+  return mx::array(std::move(shape), a.dtype(), std::make_shared<ExactMatmul>(stream, transpose),
                    std::move(inputs));
 }
 
@@ -319,8 +365,8 @@ class Lookup16 : public mx::UnaryPrimitive {
     encoder.set_output_array(out);
     encoder.dispatch([x = mx::array::unsafe_weak_copy(x), table = mx::array::unsafe_weak_copy(table),
                       out = mx::array::unsafe_weak_copy(out)]() mutable {
-      const uint16_t* in = x.data<uint16_t>();
-      const uint16_t* values = table.data<uint16_t>();
+      const uint16_t* in = row_contiguous<uint16_t>(x, 0);
+      const uint16_t* values = row_contiguous<uint16_t>(table, 1);
       uint16_t* result = out.data<uint16_t>();
       const size_t n = out.size();
       for (size_t i = 0; i < n; ++i) result[i] = values[in[i]];
@@ -354,8 +400,7 @@ mx::array lookup16(const mx::array& x, const mx::array& table) {
   if (stream.device.type != mx::Device::DeviceType::cpu) {
     throw std::invalid_argument("lookup16 runs on the CPU stream only");
   }
-  return mx::array(x.shape(), x.dtype(), std::make_shared<Lookup16>(stream),
-                   {mx::contiguous(x, false, stream), mx::contiguous(table, false, stream)});
+  return mx::array(x.shape(), x.dtype(), std::make_shared<Lookup16>(stream), {x, table});
 }
 
 // ---------------------------------------------------------------------------------------
@@ -367,21 +412,21 @@ void depthwise(const T* x, const T* w, T* y, long batch, long steps_in, long cha
   // Output t sums taps k = 0..taps-1 over input t + k - padding, skipping taps that fall in
   // the padding (as MLX does) rather than adding zero products.
   const long steps = steps_in + 2 * padding - taps + 1;
-  std::vector<float> weights(static_cast<size_t>(taps) * channels);
+  float* const weights = scratch(kDepthwiseWeights, static_cast<size_t>(taps) * channels);
   for (long c = 0; c < channels; ++c) {
     for (long k = 0; k < taps; ++k) weights[k * channels + c] = widen(w[c * taps + k]);
   }
-  std::vector<float> row(channels);
+  float* const row = scratch(kDepthwiseRow, static_cast<size_t>(channels));
   for (long b = 0; b < batch; ++b) {
     const T* xb = x + b * steps_in * channels;
     T* yb = y + b * steps * channels;
     for (long t = 0; t < steps; ++t) {
-      std::fill(row.begin(), row.end(), 0.0f);
+      std::fill(row, row + channels, 0.0f);
       for (long k = 0; k < taps; ++k) {
         const long source = t + k - padding;
         if (source < 0 || source >= steps_in) continue;
         const T* xr = xb + source * channels;
-        const float* wr = weights.data() + k * channels;
+        const float* wr = weights + k * channels;
         for (long c = 0; c < channels; ++c) {
           const float product = widen(xr[c]) * wr[c];
           row[c] = row[c] + product;
@@ -410,14 +455,14 @@ class DepthwiseConv1d : public mx::UnaryPrimitive {
       if (out.size() == 0) return;
       switch (out.dtype()) {
         case mx::float32:
-          depthwise<float>(x.data<float>(), w.data<float>(), out.data<float>(), batch, steps_in, channels, taps, padding);
+          depthwise<float>(row_contiguous<float>(x, 0), row_contiguous<float>(w, 1), out.data<float>(), batch, steps_in, channels, taps, padding);
           break;
         case mx::bfloat16:
-          depthwise<mx::bfloat16_t>(x.data<mx::bfloat16_t>(), w.data<mx::bfloat16_t>(),
+          depthwise<mx::bfloat16_t>(row_contiguous<mx::bfloat16_t>(x, 0), row_contiguous<mx::bfloat16_t>(w, 1),
                                     out.data<mx::bfloat16_t>(), batch, steps_in, channels, taps, padding);
           break;
         case mx::float16:
-          depthwise<mx::float16_t>(x.data<mx::float16_t>(), w.data<mx::float16_t>(),
+          depthwise<mx::float16_t>(row_contiguous<mx::float16_t>(x, 0), row_contiguous<mx::float16_t>(w, 1),
                                    out.data<mx::float16_t>(), batch, steps_in, channels, taps, padding);
           break;
         default:
@@ -463,7 +508,123 @@ mx::array depthwise_conv1d(const mx::array& x, const mx::array& w, int padding) 
   }
   mx::Shape shape = {x.shape(0), x.shape(1) + 2 * padding - w.shape(1) + 1, x.shape(2)};
   return mx::array(std::move(shape), x.dtype(), std::make_shared<DepthwiseConv1d>(stream, padding),
-                   {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream)});
+                   {x, w});
+}
+
+// ---------------------------------------------------------------------------------------
+// rms_norm
+
+// mx.fast.rms_norm on the CPU (its fallback graph): x32 = float32(x);
+// y = T(x32 * rsqrt(sum(x32 * x32) * (1 / n) + eps)) * weight, the sum in order.
+template <typename T>
+void rms_rows(const T* x, const T* w, T* y, long rows, long n, float eps) {
+  const float inverse = 1.0f / static_cast<float>(n);
+  for (long r = 0; r < rows; ++r) {
+    const T* xr = x + r * n;
+    float sum = 0.0f;
+    for (long i = 0; i < n; ++i) {
+      const float v = widen(xr[i]);
+      const float square = v * v;
+      sum = sum + square;
+    }
+    const float mean = sum * inverse;
+    const float scale = 1.0f / std::sqrt(mean + eps);
+    T* yr = y + r * n;
+    for (long i = 0; i < n; ++i) {
+      const T normed = T(widen(xr[i]) * scale);
+      yr[i] = T(widen(normed) * widen(w[i]));
+    }
+  }
+}
+
+template <>
+void rms_rows<float>(const float* x, const float* w, float* y, long rows, long n, float eps) {
+  const float inverse = 1.0f / static_cast<float>(n);
+  for (long r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float sum = 0.0f;
+    for (long i = 0; i < n; ++i) {
+      const float square = xr[i] * xr[i];
+      sum = sum + square;
+    }
+    const float mean = sum * inverse;
+    const float scale = 1.0f / std::sqrt(mean + eps);
+    float* yr = y + r * n;
+    for (long i = 0; i < n; ++i) {
+      const float normed = xr[i] * scale;
+      yr[i] = normed * w[i];
+    }
+  }
+}
+
+class RMSNormKernel : public mx::UnaryPrimitive {
+ public:
+  RMSNormKernel(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    const mx::array& w = inputs[1];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
+                      out = mx::array::unsafe_weak_copy(out), eps = eps_]() mutable {
+      const long n = x.shape(-1);
+      if (out.size() == 0 || n == 0) return;
+      const long rows = static_cast<long>(out.size()) / n;
+      switch (out.dtype()) {
+        case mx::float32:
+          rms_rows<float>(row_contiguous<float>(x, 0), row_contiguous<float>(w, 1), out.data<float>(), rows, n, eps);
+          break;
+        case mx::bfloat16:
+          rms_rows<mx::bfloat16_t>(row_contiguous<mx::bfloat16_t>(x, 0), row_contiguous<mx::bfloat16_t>(w, 1),
+                                   out.data<mx::bfloat16_t>(), rows, n, eps);
+          break;
+        case mx::float16:
+          rms_rows<mx::float16_t>(row_contiguous<mx::float16_t>(x, 0), row_contiguous<mx::float16_t>(w, 1),
+                                  out.data<mx::float16_t>(), rows, n, eps);
+          break;
+        default:
+          throw std::runtime_error("rms_norm: unsupported dtype");
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("rms_norm has no GPU implementation");
+  }
+
+  const char* name() const override {
+    return "RMSNormKernel";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return static_cast<const RMSNormKernel&>(other).eps_ == eps_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float eps_;
+};
+
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
+  if (x.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1)) {
+    throw std::invalid_argument("rms_norm: weight must be a vector of x's last dimension");
+  }
+  if (x.dtype() != weight.dtype() ||
+      (x.dtype() != mx::float32 && x.dtype() != mx::bfloat16 && x.dtype() != mx::float16)) {
+    throw std::invalid_argument("rms_norm: x and weight must share one floating dtype");
+  }
+  mx::Stream stream = mx::default_stream(mx::default_device());
+  if (stream.device.type != mx::Device::DeviceType::cpu) {
+    throw std::invalid_argument("rms_norm runs on the CPU stream only");
+  }
+  return mx::array(x.shape(), x.dtype(), std::make_shared<RMSNormKernel>(stream, eps), {x, weight});
 }
 
 }  // namespace
@@ -471,9 +632,13 @@ mx::array depthwise_conv1d(const mx::array& x, const mx::array& w, int padding) 
 NB_MODULE(_kernels, m) {
   m.doc() = "Exact CPU kernels for MLX (bit-identical to the MLX operations they replace).";
   m.def("exact_matmul", &exact_matmul, nb::arg("a"), nb::arg("b"), nb::arg("bias") = nb::none(),
-        "a (..., K) @ b (K, N) [+ bias (N,)] -> (..., N), one dtype; bit-identical to\n"
+        nb::arg("transpose") = false,
+        "a (..., K) @ b (K, N) [+ bias (N,)] -> (..., N), one dtype (b given as (N, K) when\n"
+        "transpose); bit-identical to\n"
         "mx.matmul(a, b) (float32: (a @ b) + bias; bfloat16/float16: mx.addmm(bias, a, b))\n"
         "on the CPU.");
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"),
+        "mx.fast.rms_norm(x, weight, eps) on the CPU, x and weight of one dtype.");
   m.def("lookup16", &lookup16, nb::arg("x"), nb::arg("table"),
         "table[bits(x)] for bfloat16/float16 x and a (65536,) table of the same dtype.");
   m.def("depthwise_conv1d", &depthwise_conv1d, nb::arg("x"), nb::arg("w"), nb::arg("padding") = 0,

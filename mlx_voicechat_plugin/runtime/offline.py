@@ -30,7 +30,8 @@ from mlx_vlm.models.nemotron_voicechat.session import VoiceChatSession
 
 from .audio_io import AudioInputError, read_audio
 from .rng import SessionRNG
-from .transcript import TranscriptJob
+from .transcript import greedy_transcript
+from .workers import Job, Stream
 
 #: Longest accepted input (the encoder builds a dense mask over the whole utterance).
 MAX_INPUT_SECONDS = 20 * 60
@@ -178,6 +179,45 @@ def silent_prompt(model, batch_size: int, build: Callable[[int], tuple]) -> tupl
     return cached[1]
 
 
+def _language_pass(
+    stt, audio_embeds, prompt_frames: int, total: int, use_cache: bool, pad: int, weight: float, out: Stream
+) -> None:
+    """The language model over the whole timeline (a worker thread's job).
+
+    Position t fuses the audio frame with the text and function ids of t - 1 (pad at t = 0
+    and inside the prompt prefix), exactly as the reference loop does, and puts
+    ``(text id, function id)`` (pad, pad inside the prompt prefix) on ``out``.
+    """
+    try:
+        cache = stt.make_cache() if use_cache else None
+        history: list[mx.array] = []
+        previous_text = previous_function = pad
+        for time in range(total):
+            fused = (
+                stt.embed_tokens(mx.array([[previous_text]], dtype=mx.int32))
+                + audio_embeds[:, time : time + 1]
+                + weight * stt.embed_tokens(mx.array([[previous_function]], dtype=mx.int32))
+            )
+            if cache is not None:
+                output = stt(fused, cache=cache)
+            else:
+                history.append(fused)
+                output = stt(mx.concatenate(history, axis=1))
+            if time >= prompt_frames:
+                ids = [
+                    mx.argmax(output.text_logits[0, -1], keepdims=True).astype(mx.int32),
+                    mx.argmax(output.function_logits[0, -1], keepdims=True).astype(mx.int32),
+                ]
+                previous_text, previous_function = mx.concatenate(ids).tolist()
+            else:
+                mx.eval(output.text_logits, output.function_logits)
+            out.put((previous_text, previous_function))
+    except Stream.Cancelled:
+        return
+    finally:
+        out.close()
+
+
 class OfflineSession(VoiceChatSession):
     """Offline turns on one loaded model (upstream ``VoiceChatSession`` subclass).
 
@@ -286,7 +326,6 @@ class OfflineSession(VoiceChatSession):
     def _run(self, waveform, prompt_ids, use_language_cache, max_frames, progress) -> OfflineResult:
         model, config = self.model, self.model.config
         stt = model.stt_model
-        tts = model.tts_model.tts_model
 
         mel = log_mel_spectrogram(waveform, config.audio_config.preprocessor)
         lengths = mx.array([mel.shape[1]], dtype=mx.int32)
@@ -301,41 +340,36 @@ class OfflineSession(VoiceChatSession):
             audio_embeds = mx.concatenate([prompt_embeds.astype(audio_embeds.dtype), audio_embeds], axis=1)
         prompt_frames = len(prompt_ids)
         total = prompt_frames + audio_frames
-        mx.eval(audio_embeds, asr_embeds)
-        transcript_job = TranscriptJob(model, asr_embeds, audio_frames)
+        # The language model and the RNNT run on worker threads beside EAR-TTS (see
+        # runtime.workers); they get evaluated inputs and hand back host ints.
+        mx.eval(audio_embeds, asr_embeds, stt.parameters())
+        transcript_job = Job("voicechat-rnnt", greedy_transcript, model, asr_embeds, audio_frames)
+        ids = Stream()
+        language_job = Job(
+            "voicechat-language", _language_pass, stt, audio_embeds, prompt_frames, total,
+            use_language_cache, config.pad_token_id, config.function_channel_weight, ids,
+        )  # fmt: skip
+        try:
+            return self._speak(prompt_frames, total, audio_frames, ids, language_job, transcript_job, progress)
+        finally:
+            ids.cancel()
 
+    def _speak(self, prompt_frames, total, audio_frames, ids, language_job, transcript_job, progress):
+        """EAR-TTS over the timeline (ids from the language worker), then the codec."""
+        model, config = self.model, self.model.config
+        tts = model.tts_model.tts_model
         pad = config.pad_token_id
         text = [pad] * total
         function = [pad] * total
-        cache = stt.make_cache() if use_language_cache else None
-        history: list[mx.array] = []
 
         prompt = self._tts_prompt()
         _, tts_cache = tts.warmup(*prompt[:-1], audio_prompt_latent=prompt[-1], guidance=True)
         previous_code = prompt[0][:, -1:]
         silence = model.tts_model.codec_silence_tokens[None, None, :]
         codes = [mx.zeros((1, 1, config.tts_config.num_quantizers), dtype=mx.int32)]
-        weight = config.function_channel_weight
 
         for time in range(total):
-            previous_text = pad if time == 0 else text[time - 1]
-            previous_function = pad if time == 0 else function[time - 1]
-            fused = (
-                stt.embed_tokens(mx.array([[previous_text]], dtype=mx.int32))
-                + audio_embeds[:, time : time + 1]
-                + weight * stt.embed_tokens(mx.array([[previous_function]], dtype=mx.int32))
-            )
-            if cache is not None:
-                output = stt(fused, cache=cache)
-            else:
-                history.append(fused)
-                output = stt(mx.concatenate(history, axis=1))
-            if time >= prompt_frames:
-                ids = [
-                    mx.argmax(output.text_logits[0, -1], keepdims=True).astype(mx.int32),
-                    mx.argmax(output.function_logits[0, -1], keepdims=True).astype(mx.int32),
-                ]
-                text[time], function[time] = mx.concatenate(ids).tolist()
+            text[time], function[time] = ids.get(language_job)
             if time > 0:
                 # The reference warms the LLM at position 0 without a TTS code; every later
                 # position (the prompt prefix included) advances EAR-TTS by one frame.
@@ -346,10 +380,11 @@ class OfflineSession(VoiceChatSession):
                     previous_code, current, mx.ones(current.shape, dtype=mx.bool_), tts_cache, guidance=True
                 ).codes
                 codes.append(previous_code)
-            mx.eval(previous_code, output.text_logits, output.function_logits, *tts.pending_conditions())
-            tts.commit_conditions()
+                mx.eval(previous_code, *tts.pending_conditions())
+                tts.commit_conditions()
             if progress is not None:
                 progress(time + 1, total)
+        language_job.result()
 
         generated = mx.concatenate(codes, axis=1)[:, prompt_frames:]
         generated = self._replace_control_codes(generated)

@@ -27,7 +27,9 @@ from mlx_audio.stt.models.nemotron_asr import tokenizer as rnnt_tokenizer
 WINDOW = 16
 
 
-def greedy_transcript(model, encoded: mx.array, length: int, window: int = WINDOW) -> tuple[str | None, list[int]]:
+def greedy_transcript(
+    model, encoded: mx.array, length: int, window: int = WINDOW
+) -> tuple[str | None, list[int]]:
     """Greedy RNNT decode of ``encoded[:, :length]`` with upstream's exact decisions.
 
     Blank runs are scored :data:`WINDOW` frames per round trip (see the module docstring).
@@ -55,7 +57,9 @@ def greedy_transcript(model, encoded: mx.array, length: int, window: int = WINDO
         return None, []
     decoder = _GreedyDecoder(model, encoded, length)
     symbols = decoder.run(window)
-    tokens = [symbol for symbol in symbols if not rnnt_tokenizer.is_special_token(symbol, vocabulary)]
+    tokens = [
+        symbol for symbol in symbols if not rnnt_tokenizer.is_special_token(symbol, vocabulary)
+    ]
     return rnnt_tokenizer.decode(tokens, vocabulary).strip(), tokens
 
 
@@ -73,11 +77,15 @@ class _GreedyDecoder:
         self.projected = self.joint.enc(encoded[:, :length])  # (1, T, H), row by row as upstream
         self.last = self.blank
         self.hidden = None
+        # Fixed shapes: compiled once per decode, fusing the LSTM gates' elementwise work.
+        self._masked = mx.compile(self._masked_step)
 
     def _step(self, token: mx.array | None, hidden):
         """Upstream's ``decoder(token, hidden)``: (joint prediction, proposed state)."""
         output, proposed = self.decoder(token, hidden)
-        return self.joint.pred(output.astype(self.dtype)), tuple(value.astype(self.dtype) for value in proposed)
+        return self.joint.pred(output.astype(self.dtype)), tuple(
+            value.astype(self.dtype) for value in proposed
+        )
 
     def _scores(self, frames: mx.array, prediction: mx.array) -> mx.array:
         """Upstream ``JointNetwork.__call__`` after the encoder projection; argmax per frame."""
@@ -85,6 +93,15 @@ class _GreedyDecoder:
         for layer in self.joint.joint_net:
             x = layer(x)
         return mx.argmax(x, axis=-1).reshape(-1).astype(mx.int32)
+
+    def _masked_step(self, last, hidden, frame, active):
+        """One decode step applied only while ``active``: ``(symbol or -1, last, hidden, active)``."""
+        prediction, proposed = self._step(last, hidden)
+        symbol = self._scores(frame, prediction)[0]
+        emit = active & (symbol != self.blank)
+        last = mx.where(emit, symbol, last)
+        hidden = tuple(mx.where(emit, new, old) for new, old in zip(proposed, hidden))
+        return mx.where(emit, symbol, -1), last, hidden, emit
 
     def run(self, window: int) -> list[int]:
         symbols: list[int] = []
@@ -94,7 +111,9 @@ class _GreedyDecoder:
             prediction, proposed = self._step(token, self.hidden)
             stop = min(time + window, self.length)
             scores = self._scores(self.projected[:, time:stop], prediction).tolist()
-            first = next((index for index, symbol in enumerate(scores) if symbol != self.blank), None)
+            first = next(
+                (index for index, symbol in enumerate(scores) if symbol != self.blank), None
+            )
             if first is None:
                 time = stop
                 continue
@@ -117,13 +136,8 @@ class _GreedyDecoder:
             active = mx.array(True)
             chained = []
             for _ in range(steps):
-                prediction, proposed = self._step(last, hidden)
-                symbol = self._scores(frame, prediction)[0]
-                emit = active & (symbol != self.blank)
-                last = mx.where(emit, symbol, last)
-                hidden = tuple(mx.where(emit, new, old) for new, old in zip(proposed, hidden))
-                chained.append(mx.where(emit, symbol, -1))
-                active = emit
+                symbol, last, hidden, active = self._masked(last, hidden, frame, active)
+                chained.append(symbol)
             values = mx.stack(chained).tolist()
             count = next((index for index, value in enumerate(values) if value < 0), steps)
             if count:
@@ -134,43 +148,3 @@ class _GreedyDecoder:
                 return 1
             steps *= 2
         return 1
-
-
-class TranscriptJob:
-    """:func:`greedy_transcript` on a worker thread, beside the caller's own MLX work.
-
-    The decode is a chain of small steps and host round trips that leaves the cores mostly
-    idle, so the offline turn runs it concurrently with its main loop. The worker builds its
-    operations on its own CPU stream (:func:`~mlx_voicechat_plugin.model.parallel.side_stream`
-    of that thread); its inputs are evaluated first on the calling thread. :meth:`result`
-    joins the thread and re-raises its exception, if any.
-    """
-
-    def __init__(self, model, encoded: mx.array, length: int):
-        import threading
-
-        # MLX evaluates a graph only on the thread that built it: hand the worker evaluated
-        # inputs (weights edited in place or loaded lazily may still be pending here).
-        mx.eval(encoded, model.stt_model.rnnt_decoder.parameters(), model.stt_model.rnnt_joint.parameters())
-        self._outcome: tuple | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._work, args=(model, encoded, length), name="voicechat-rnnt", daemon=True
-        )
-        self._thread.start()
-
-    def _work(self, model, encoded, length) -> None:
-        from ..model.parallel import side_stream
-
-        try:
-            with mx.stream(side_stream()):
-                self._outcome = greedy_transcript(model, encoded, length)
-        except BaseException as error:  # noqa: BLE001 - handed to result()
-            self._error = error
-
-    def result(self) -> tuple[str | None, list[int]]:
-        """Wait for the decode; ``(text, tokens)`` as :func:`greedy_transcript` returns."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._outcome
