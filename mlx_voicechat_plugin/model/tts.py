@@ -33,7 +33,7 @@ from collections import OrderedDict
 import mlx.core as mx
 from mlx_vlm.models.nemotron_voicechat.tts import RVQEARTTSModel
 
-from ..native import matmul
+from ..native import matmul, rvq_encode
 
 #: Most memoised text conditions kept (least recently used dropped first).
 CONDITION_MEMO_SIZE = 4096
@@ -142,20 +142,24 @@ class FastRVQEARTTSModel(RVQEARTTSModel):
 
     def _rvq_encode_step(self, residual, code, start, count):
         """Upstream ``_rvq_encode_step``: codebooks ``[start, start + count)`` by nearest
-        codeword. The untouched codebooks are sliced as two blocks rather than one slice per
-        codebook; the concatenation promotes dtypes exactly as upstream's ``stack`` of the
-        per-codebook pieces does (only non-empty blocks take part)."""
-        norms, transposed = self._table("norms"), self._table("f32t")
-        selected = []
-        for index in range(start, start + count):
-            distances = norms[index] - 2.0 * matmul(residual, transposed[index])
-            chosen = mx.argmin(distances, axis=-1)
-            residual = residual - self.rvq_embs[index][chosen]
-            selected.append(chosen)
-        if not selected:
+        codeword, in one native kernel when available (:func:`~mlx_voicechat_plugin.native.rvq_encode`).
+        The untouched codebooks are sliced as two blocks rather than one slice per codebook;
+        the concatenation promotes dtypes exactly as upstream's ``stack`` of the per-codebook
+        pieces does (only non-empty blocks take part)."""
+        if count == 0:
             return code
+        norms, transposed = self._table("norms"), self._table("f32t")
+        block = rvq_encode(residual, norms, transposed, self.rvq_embs, start, count)
+        if block is None:
+            selected = []
+            for index in range(start, start + count):
+                distances = norms[index] - 2.0 * matmul(residual, transposed[index])
+                chosen = mx.argmin(distances, axis=-1)
+                residual = residual - self.rvq_embs[index][chosen]
+                selected.append(chosen)
+            block = mx.stack(selected, axis=-1)
         quantizers = self.config.num_quantizers
-        parts = [mx.stack(selected, axis=-1)]
+        parts = [block]
         if start > 0:
             parts.insert(0, code[..., :start])
         if start + count < quantizers:

@@ -2,8 +2,8 @@
 
 Each kernel computes what one MLX operation computes on the CPU, in the same order and with
 the same roundings, so results are bit-identical; only faster. The model calls the
-wrappers here: :func:`matmul` / :func:`linear`, :func:`depthwise_conv1d`, :func:`rms_norm`
-and :func:`lookup16`.
+wrappers here: :func:`matmul` / :func:`linear`, :func:`depthwise_conv1d`, :func:`rms_norm`,
+:func:`rvq_encode` and :func:`lookup16`.
 
 **Products.** MLX's CPU backend computes float32 products with the reference BLAS ``sgemm`` and
 bfloat16/float16 products with its own scalar ``simd_gemm``. Both give each output the
@@ -181,6 +181,31 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     ):
         return _state["module"].rms_norm(x, weight, eps)
     return mx.fast.rms_norm(x, weight, eps)
+
+
+def rvq_encode(
+    residual: mx.array, norms: mx.array, books: mx.array, embeddings: mx.array, start: int, count: int
+) -> mx.array | None:
+    """EAR-TTS's nearest-codeword steps for codebooks ``[start, start + count)`` in one kernel,
+    or None when the kernel is unavailable (the caller runs upstream's loop).
+
+    Bit-identical to upstream ``RVQEARTTSModel._rvq_encode_step``: per codebook ``q``,
+    ``argmin(norms[q] - 2 * residual @ books[q])`` (the product summed in ``mx.matmul``'s
+    order; the first minimum, or the first NaN as ``mx.argmin`` picks it), then
+    ``residual -= embeddings[q][index]``.
+
+    Args:
+        residual: ``(..., L)`` float32.
+        norms: ``(Q, C)`` squared codeword norms (float32 or bfloat16).
+        books: ``(Q, L, C)`` float32 transposed codebooks.
+        embeddings: ``(Q, C, L)`` codebooks (float32 or bfloat16).
+
+    Returns:
+        ``(..., count)`` uint32 indices (``mx.argmin``'s dtype), or None.
+    """
+    if residual.dtype != mx.float32 or books.dtype != mx.float32 or not _active():
+        return None
+    return _state["module"].rvq_encode(residual, norms, books, embeddings, start, count)
 
 
 def lookup16(x: mx.array, table: mx.array) -> mx.array:

@@ -17,6 +17,8 @@
 // depthwise_conv1d: MLX's conv1d with groups == channels, stride 1, no padding/dilation.
 // MLX sums the taps in order in float32 (products of the widened inputs) and rounds once.
 //
+// rvq_encode: EAR-TTS's residual quantisation steps (upstream _rvq_encode_step) in one pass.
+//
 // rms_norm: mx.fast.rms_norm on the CPU (MLX runs its fallback graph there).
 //
 // Build with -ffp-contract=off: a contracted multiply-add would round differently.
@@ -108,7 +110,7 @@ inline float* scratch(Scratch slot, size_t count) {
 template <typename T>
 const T* row_contiguous(const mx::array& x, int slot = 0) {
   if (x.flags().row_contiguous) return x.data<T>();
-  thread_local std::vector<char> buffers[2];
+  thread_local std::vector<char> buffers[4];
   std::vector<char>& bytes = buffers[slot];
   const size_t n = x.size();
   if (bytes.size() < n * sizeof(T)) bytes.resize(n * sizeof(T));
@@ -627,6 +629,141 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
   return mx::array(x.shape(), x.dtype(), std::make_shared<RMSNormKernel>(stream, eps), {x, weight});
 }
 
+// ---------------------------------------------------------------------------------------
+// rvq_encode
+
+// Upstream RVQEARTTSModel._rvq_encode_step for codebooks [start, start + count): for each,
+// distances = float(norms[q]) - 2 * (residual . books[q]) (the product summed in order over
+// the latent axis, as mx.matmul sums it), the first minimum (or first NaN, as mx.argmin
+// picks it), then residual -= float(embeddings[q][index]).
+template <typename N, typename E>
+void rvq_rows(const float* residual, long rows, long latent, const N* norms, const float* books,
+              const E* embeddings, long codes, int start, int count, uint32_t* out) {
+  float* r = scratch(kRowsScratch, static_cast<size_t>(latent));
+  float* dot = scratch(kResultScratch, static_cast<size_t>(codes));
+  for (long row = 0; row < rows; ++row) {
+    std::memcpy(r, residual + row * latent, sizeof(float) * latent);
+    for (int q = start; q < start + count; ++q) {
+      const float* book = books + static_cast<long>(q) * latent * codes;
+      std::fill(dot, dot + codes, 0.0f);
+      for (long k = 0; k < latent; ++k) {
+        const float rk = r[k];
+        const float* column = book + k * codes;
+        for (long c = 0; c < codes; ++c) {
+          const float product = rk * column[c];
+          dot[c] = dot[c] + product;
+        }
+      }
+      const N* norm = norms + static_cast<long>(q) * codes;
+      float best = widen(norm[0]) - 2.0f * dot[0];
+      uint32_t index = 0;
+      for (long c = 1; c < codes; ++c) {
+        const float distance = widen(norm[c]) - 2.0f * dot[c];
+        if (distance < best || (std::isnan(distance) && !std::isnan(best))) {
+          best = distance;
+          index = static_cast<uint32_t>(c);
+        }
+      }
+      out[row * count + (q - start)] = index;
+      const E* chosen = embeddings + (static_cast<long>(q) * codes + index) * latent;
+      for (long k = 0; k < latent; ++k) r[k] = r[k] - widen(chosen[k]);
+    }
+  }
+}
+
+class RVQEncode : public mx::UnaryPrimitive {
+ public:
+  RVQEncode(mx::Stream stream, int start, int count)
+      : mx::UnaryPrimitive(stream), start_(start), count_(count) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& input : inputs) encoder.set_input_array(input);
+    encoder.set_output_array(out);
+    encoder.dispatch([residual = mx::array::unsafe_weak_copy(inputs[0]),
+                      norms = mx::array::unsafe_weak_copy(inputs[1]),
+                      books = mx::array::unsafe_weak_copy(inputs[2]),
+                      embeddings = mx::array::unsafe_weak_copy(inputs[3]),
+                      out = mx::array::unsafe_weak_copy(out), start = start_, count = count_]() mutable {
+      const long latent = residual.shape(-1);
+      const long rows = latent == 0 ? 0 : static_cast<long>(residual.size()) / latent;
+      const long codes = norms.shape(1);
+      if (rows == 0 || count == 0) return;
+      const float* r = row_contiguous<float>(residual, 0);
+      const float* b = row_contiguous<float>(books, 1);
+      uint32_t* o = out.data<uint32_t>();
+      const bool norms16 = norms.dtype() == mx::bfloat16;
+      const bool embs16 = embeddings.dtype() == mx::bfloat16;
+      using bf = mx::bfloat16_t;
+      if (norms16 && embs16) {
+        rvq_rows(r, rows, latent, row_contiguous<bf>(norms, 2), b, row_contiguous<bf>(embeddings, 3), codes, start, count, o);
+      } else if (norms16) {
+        rvq_rows(r, rows, latent, row_contiguous<bf>(norms, 2), b, row_contiguous<float>(embeddings, 3), codes, start, count, o);
+      } else if (embs16) {
+        rvq_rows(r, rows, latent, row_contiguous<float>(norms, 2), b, row_contiguous<bf>(embeddings, 3), codes, start, count, o);
+      } else {
+        rvq_rows(r, rows, latent, row_contiguous<float>(norms, 2), b, row_contiguous<float>(embeddings, 3), codes, start, count, o);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("rvq_encode has no GPU implementation");
+  }
+
+  const char* name() const override {
+    return "RVQEncode";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& that = static_cast<const RVQEncode&>(other);
+    return that.start_ == start_ && that.count_ == count_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = count_;
+    return {shape};
+  }
+
+ private:
+  int start_;
+  int count_;
+};
+
+mx::array rvq_encode(const mx::array& residual, const mx::array& norms, const mx::array& books,
+                     const mx::array& embeddings, int start, int count) {
+  if (residual.ndim() < 1 || residual.dtype() != mx::float32) {
+    throw std::invalid_argument("rvq_encode: residual must be float32 (..., latent)");
+  }
+  if (norms.ndim() != 2 || books.ndim() != 3 || embeddings.ndim() != 3 || books.dtype() != mx::float32) {
+    throw std::invalid_argument(
+        "rvq_encode: norms (Q, C), books float32 (Q, latent, C), embeddings (Q, C, latent)");
+  }
+  const int Q = norms.shape(0), C = norms.shape(1), L = residual.shape(-1);
+  if (books.shape(0) != Q || books.shape(1) != L || books.shape(2) != C || embeddings.shape(0) != Q ||
+      embeddings.shape(1) != C || embeddings.shape(2) != L || C < 1) {
+    throw std::invalid_argument("rvq_encode: table shapes do not match");
+  }
+  for (const auto* table : {&norms, &embeddings}) {
+    if (table->dtype() != mx::float32 && table->dtype() != mx::bfloat16) {
+      throw std::invalid_argument("rvq_encode: norms and embeddings must be float32 or bfloat16");
+    }
+  }
+  if (start < 0 || count < 0 || start + count > Q) {
+    throw std::invalid_argument("rvq_encode: codebooks [start, start + count) out of range");
+  }
+  mx::Stream stream = mx::default_stream(mx::default_device());
+  if (stream.device.type != mx::Device::DeviceType::cpu) {
+    throw std::invalid_argument("rvq_encode runs on the CPU stream only");
+  }
+  mx::Shape shape = residual.shape();
+  shape.back() = count;
+  return mx::array(std::move(shape), mx::uint32, std::make_shared<RVQEncode>(stream, start, count),
+                   {residual, norms, books, embeddings});
+}
+
 }  // namespace
 
 NB_MODULE(_kernels, m) {
@@ -639,6 +776,9 @@ NB_MODULE(_kernels, m) {
         "on the CPU.");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"),
         "mx.fast.rms_norm(x, weight, eps) on the CPU, x and weight of one dtype.");
+  m.def("rvq_encode", &rvq_encode, nb::arg("residual"), nb::arg("norms"), nb::arg("books"),
+        nb::arg("embeddings"), nb::arg("start"), nb::arg("count"),
+        "Nearest-codeword residual quantisation over codebooks [start, start + count).");
   m.def("lookup16", &lookup16, nb::arg("x"), nb::arg("table"),
         "table[bits(x)] for bfloat16/float16 x and a (65536,) table of the same dtype.");
   m.def("depthwise_conv1d", &depthwise_conv1d, nb::arg("x"), nb::arg("w"), nb::arg("padding") = 0,
