@@ -22,6 +22,10 @@ order in float32 and rounds once; the kernel does the same, vectorised across ch
 **Table lookups** (the codec's bfloat16 GELU, :mod:`~mlx_voicechat_plugin.model.activations`):
 ``table[bits(x)]`` as a contiguous loop (about 15x faster than MLX's general gather).
 
+"Bit-identical" means every numeric result; where a result is NaN it is NaN in both, but
+its sign/payload may differ when NaNs of opposite sign meet in one addition (IEEE leaves
+which one propagates unspecified, and compilers may swap the operands of an addition).
+
 Each wrapper runs the extension when the default device is the CPU and the extension is
 available, and the MLX operation otherwise (Apple GPUs, a machine without a C++ compiler,
 ``MLX_VOICECHAT_NATIVE=0``); either way the result is the same array. The extension is built on first use (:mod:`.build`, a few
@@ -141,7 +145,7 @@ def depthwise_conv1d(x: mx.array, weight: mx.array, padding: int = 0) -> mx.arra
     Args:
         x: ``(B, T, C)`` activations.
         weight: ``(C, K, 1)`` per-channel taps, same dtype as ``x``.
-        padding: zeros on both sides (taps over the padding are skipped, as MLX does).
+        padding: zeros on both sides (multiplied in, as MLX's zero padding is).
 
     Returns:
         ``(B, T + 2 * padding - K + 1, C)``.

@@ -411,8 +411,8 @@ mx::array lookup16(const mx::array& x, const mx::array& table) {
 template <typename T>
 void depthwise(const T* x, const T* w, T* y, long batch, long steps_in, long channels, long taps,
                long padding) {
-  // Output t sums taps k = 0..taps-1 over input t + k - padding, skipping taps that fall in
-  // the padding (as MLX does) rather than adding zero products.
+  // Output t sums taps k = 0..taps-1 over input t + k - padding; taps over the padding add
+  // the product of a zero input (as MLX's zero-padded convolution does: 0 * inf is NaN).
   const long steps = steps_in + 2 * padding - taps + 1;
   float* const weights = scratch(kDepthwiseWeights, static_cast<size_t>(taps) * channels);
   for (long c = 0; c < channels; ++c) {
@@ -426,9 +426,15 @@ void depthwise(const T* x, const T* w, T* y, long batch, long steps_in, long cha
       std::fill(row, row + channels, 0.0f);
       for (long k = 0; k < taps; ++k) {
         const long source = t + k - padding;
-        if (source < 0 || source >= steps_in) continue;
-        const T* xr = xb + source * channels;
         const float* wr = weights + k * channels;
+        if (source < 0 || source >= steps_in) {
+          for (long c = 0; c < channels; ++c) {
+            const float product = 0.0f * wr[c];
+            row[c] = row[c] + product;
+          }
+          continue;
+        }
+        const T* xr = xb + source * channels;
         for (long c = 0; c < channels; ++c) {
           const float product = widen(xr[c]) * wr[c];
           row[c] = row[c] + product;

@@ -1,0 +1,334 @@
+"""The native CPU kernels (``mlx_voicechat_plugin.native``) against the MLX operations they
+replace: every output bit, every dtype, awkward shapes and strides, NaN/inf, gradients, the
+build cache and the fallback when the kernels are switched off or cannot be built.
+
+The kernels must build on this machine (CI included): a broken build fails here instead of
+silently falling back.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_voicechat_plugin import native
+from mlx_voicechat_plugin.native import build
+
+FLOATS = [mx.float32, mx.bfloat16, mx.float16]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    assert native.available(), native.status()
+    return native._state["module"]
+
+
+def _random(rng, shape, dtype, scale=1.0):
+    return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
+
+
+def _same(a: mx.array, b: mx.array) -> bool:
+    """Same shape, dtype and bits (NaN payloads included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype in (mx.bfloat16, mx.float16):
+        view = mx.uint16
+    elif a.dtype == mx.float32:
+        view = mx.uint32
+    else:
+        return bool(mx.array_equal(a, b).item())
+    return bool(mx.array_equal(a.view(view), b.view(view)).item())
+
+
+def _same_up_to_nan_sign(a: mx.array, b: mx.array) -> bool:
+    """Same bits wherever either is a number, NaN in the same places (a NaN's sign/payload
+    depends on which of two NaNs an addition propagates, which compilers may commute)."""
+    nan_a, nan_b = mx.isnan(a), mx.isnan(b)
+    if not mx.array_equal(nan_a, nan_b).item():
+        return False
+    return _same(mx.where(nan_a, 0, a), mx.where(nan_b, 0, b))
+
+
+def test_status_reports_the_kernels_in_use(kernels):
+    assert native.status() == "in use"
+    assert native.available()
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("rows,inner,outputs", [(1, 1, 1), (1, 64, 256), (2, 1024, 33), (3, 7, 70), (5, 100, 31), (441, 64, 256), (9, 300, 129)])
+def test_matmul_is_bit_identical(kernels, dtype, rows, inner, outputs):
+    rng = np.random.default_rng(rows * 1000 + inner + outputs)
+    a = _random(rng, (rows, inner), dtype, 3.0)
+    weight = _random(rng, (outputs, inner), dtype)
+    bias = _random(rng, (outputs,), dtype, 10.0)
+    assert _same(native.matmul(a, weight.T), a @ weight.T)
+    assert _same(native.matmul(a, mx.contiguous(weight.T)), a @ weight.T)
+    assert _same(native.linear(a, weight), a @ weight.T)
+    expected = (a @ weight.T) + bias if dtype == mx.float32 else mx.addmm(bias, a, weight.T)
+    assert _same(native.linear(a, weight, bias), expected)
+    assert _same(native.matmul(a, weight.T, bias), expected)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_matmul_strided_batched_and_edge_shapes(kernels, dtype):
+    rng = np.random.default_rng(7)
+    a = _random(rng, (2, 3, 9, 40), dtype)
+    w = _random(rng, (48, 20), dtype)
+    assert _same(native.matmul(a[..., ::2], w[::2].T), a[..., ::2] @ w[::2].T)  # strided a and b
+    b = _random(rng, (40, 6), dtype)
+    for x in (a, a.swapaxes(1, 2).swapaxes(1, 2), a[:, ::-1], a.transpose(1, 0, 2, 3)):
+        assert _same(native.matmul(x, b), x @ b)
+    vector = _random(rng, (40,), dtype)
+    assert _same(native.matmul(vector, b), vector @ b)
+    empty_inner = mx.zeros((3, 0), dtype=dtype)
+    assert _same(native.matmul(empty_inner, mx.zeros((0, 4), dtype=dtype)), empty_inner @ mx.zeros((0, 4), dtype=dtype))
+    assert native.matmul(mx.zeros((0, 5), dtype=dtype), b[:5]).shape == (0, 6)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_matmul_non_finite_values(kernels, dtype):
+    rng = np.random.default_rng(11)
+    a = _random(rng, (4, 33), dtype)
+    b = _random(rng, (33, 40), dtype)
+    a = mx.where(mx.arange(33) == 3, float("nan"), a)
+    b = mx.where((mx.arange(40) == 7)[None, :], float("inf"), b)
+    b = mx.where((mx.arange(33) == 5)[:, None] & (mx.arange(40) == 9)[None, :], -float("inf"), b)
+    assert _same_up_to_nan_sign(native.matmul(a, b), a @ b)
+    finite_nan = mx.where(mx.arange(33) == 3, float("nan"), _random(rng, (4, 33), dtype))
+    assert mx.isnan(native.matmul(finite_nan, _random(rng, (33, 40), dtype))).all().item()
+    big = _random(rng, (3, 64), dtype, 1e4 if dtype != mx.float32 else 1e20)
+    assert _same(native.matmul(big, big.T), big @ big.T)
+
+
+def test_matmul_mixed_dtypes_and_bad_shapes_follow_mlx(kernels):
+    a = mx.ones((2, 3), dtype=mx.float32)
+    b = mx.ones((3, 4), dtype=mx.bfloat16)
+    assert _same(native.matmul(a, b), a @ b)  # mixed dtypes: MLX's own product
+    with pytest.raises(ValueError):
+        native.matmul(a, mx.ones((4, 4)))
+    with pytest.raises(ValueError, match="inner dimensions"):
+        kernels.exact_matmul(a, mx.ones((4, 4)))
+    with pytest.raises(ValueError):
+        kernels.exact_matmul(a, mx.ones((3, 4)), mx.ones((5,)))
+    with pytest.raises(ValueError):
+        kernels.exact_matmul(mx.ones((2, 3), dtype=mx.int32), mx.ones((3, 4), dtype=mx.int32))
+
+
+def test_matmul_gradients_match_mlx(kernels):
+    rng = np.random.default_rng(3)
+    x, w, c = _random(rng, (2, 3, 5), mx.float32), _random(rng, (6, 5), mx.float32), _random(rng, (6,), mx.float32)
+
+    def ours(x, w, c):
+        return (native.linear(x, w, c) ** 2).sum()
+
+    def reference(x, w, c):
+        return (((x @ w.T) + c) ** 2).sum()
+
+    for got, want in zip(mx.grad(ours, argnums=(0, 1, 2))(x, w, c), mx.grad(reference, argnums=(0, 1, 2))(x, w, c)):
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+
+
+def test_linear_equals_nn_linear(kernels):
+    rng = np.random.default_rng(5)
+    for dtype in FLOATS:
+        for bias in (True, False):
+            layer = nn.Linear(24, 17, bias=bias)
+            layer.set_dtype(dtype)
+            x = _random(rng, (3, 24), dtype)
+            assert _same(native.linear(x, layer.weight, layer.bias if bias else None), layer(x))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("taps,padding", [(1, 0), (4, 0), (7, 0), (9, 0), (3, 1), (9, 4), (2, 3)])
+def test_depthwise_conv1d_is_bit_identical(kernels, dtype, taps, padding):
+    rng = np.random.default_rng(taps * 10 + padding)
+    for batch, steps, channels in [(1, 9, 256), (2, 20, 33), (1, taps, 5)]:
+        x = _random(rng, (batch, steps, channels), dtype, 2.0)
+        w = _random(rng, (channels, taps, 1), dtype)
+        expected = mx.conv1d(x, w, padding=padding, groups=channels)
+        assert _same(native.depthwise_conv1d(x, w, padding), expected)
+    strided = _random(rng, (1, 30, 16), dtype)[:, ::2]
+    w = _random(rng, (16, taps, 1), dtype)
+    assert _same(native.depthwise_conv1d(strided, w, padding), mx.conv1d(strided, w, padding=padding, groups=16))
+
+
+def test_depthwise_padding_adds_zero_products_like_mlx(kernels):
+    # MLX pads with zeros and multiplies them in: an infinite tap over the padding gives
+    # 0 * inf = NaN there, and the kernel must do the same.
+    x = mx.ones((1, 4, 3))
+    w = mx.ones((3, 3, 1))
+    w = mx.where((mx.arange(3) == 0)[None, :, None], float("inf"), w)
+    expected = mx.conv1d(x, w, padding=1, groups=3)
+    assert _same(native.depthwise_conv1d(x, w, 1), expected)
+
+
+def test_depthwise_module_equals_nn_conv1d(kernels):
+    from mlx_voicechat_plugin.model.convolutions import DepthwiseConv1d, install_convolutions
+
+    rng = np.random.default_rng(2)
+    parent = nn.Module()
+    parent.depthwise = nn.Conv1d(8, 8, 5, padding=2, groups=8)
+    parent.pointwise = nn.Conv1d(8, 6, 1)
+    parent.strided = nn.Conv1d(8, 8, 3, stride=2, groups=8)
+    x = _random(rng, (2, 11, 8), mx.float32)
+    expected = [parent.depthwise(x), parent.pointwise(x), parent.strided(x)]
+    assert install_convolutions(parent) == 2
+    assert isinstance(parent.depthwise, DepthwiseConv1d)
+    assert type(parent.strided) is nn.Conv1d  # stride 2: left alone
+    for got, want in zip([parent.depthwise(x), parent.pointwise(x), parent.strided(x)], expected):
+        assert _same(got, want)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_rms_norm_is_bit_identical(kernels, dtype):
+    rng = np.random.default_rng(9)
+    for shape in [(1, 256), (2, 1, 256), (3, 512), (5, 333), (1, 1), (2, 7, 1024)]:
+        for scale in (1e-4, 1.0, 40.0):
+            for eps in (1e-6, 1e-5):
+                x = _random(rng, shape, dtype, scale)
+                w = _random(rng, shape[-1:], dtype)
+                assert _same(native.rms_norm(x, w, eps), mx.fast.rms_norm(x, w, eps))
+    x = _random(rng, (4, 64), dtype)
+    x = mx.where(mx.arange(64) == 1, float("nan"), x)
+    zeros = mx.zeros((2, 64), dtype=dtype)
+    w = _random(rng, (64,), dtype)
+    for value in (x, zeros, x[:, ::2]):
+        assert _same(native.rms_norm(value, w[: value.shape[-1]], 1e-6), mx.fast.rms_norm(value, w[: value.shape[-1]], 1e-6))
+
+
+def test_rms_norm_narrower_weight_is_cast_like_mlx(kernels):
+    rng = np.random.default_rng(4)
+    x = _random(rng, (2, 3, 96), mx.float32)
+    w = _random(rng, (96,), mx.bfloat16)
+    assert _same(native.rms_norm(x, w, 1e-6), mx.fast.rms_norm(x, w, 1e-6))
+    wider = _random(rng, (96,), mx.float32)
+    half = x.astype(mx.bfloat16)
+    assert _same(native.rms_norm(half, wider, 1e-6), mx.fast.rms_norm(half, wider, 1e-6))  # MLX path
+
+
+def test_lookup16_equals_gather(kernels):
+    rng = np.random.default_rng(6)
+    for dtype in (mx.bfloat16, mx.float16):
+        table = _random(rng, (65536,), dtype)
+        x = _random(rng, (3, 50, 7), dtype, 5.0)
+        for value in (x, x.swapaxes(0, 2), x[:, ::3]):
+            assert _same(native.lookup16(value, table), mx.take(table, value.view(mx.uint16)))
+
+
+def _rvq_reference(residual, norms, books, embeddings, start, count):
+    selected = []
+    for index in range(start, start + count):
+        distances = norms[index] - 2.0 * mx.matmul(residual, books[index])
+        chosen = mx.argmin(distances, axis=-1)
+        residual = residual - embeddings[index][chosen]
+        selected.append(chosen)
+    return mx.stack(selected, axis=-1)
+
+
+@pytest.mark.parametrize("table_dtype", [mx.bfloat16, mx.float32], ids=str)
+def test_rvq_encode_is_bit_identical(kernels, table_dtype):
+    rng = np.random.default_rng(8)
+    quantizers, codes, latent = 6, 64, 16
+    embeddings = _random(rng, (quantizers, codes, latent), table_dtype)
+    # Exact ties: duplicate codewords must resolve to the first index, as mx.argmin does.
+    embeddings = mx.concatenate([embeddings[:, :8], embeddings[:, :8], embeddings[:, 16:]], axis=1)
+    norms = mx.sum(embeddings * embeddings, axis=-1)
+    books = mx.contiguous(embeddings.astype(mx.float32).transpose(0, 2, 1))
+    for rows, scale in [((1, 1), 1.0), ((2, 1), 0.01), ((3, 2), 10.0)]:
+        residual = _random(rng, (*rows, latent), mx.float32, scale)
+        for start, count in [(0, quantizers), (0, 2), (2, 3), (5, 1)]:
+            got = native.rvq_encode(residual, norms, books, embeddings, start, count)
+            assert _same(got, _rvq_reference(residual, norms, books, embeddings, start, count))
+    poisoned = mx.where(mx.arange(latent) == 3, float("nan"), _random(rng, (1, 1, latent), mx.float32))
+    got = native.rvq_encode(poisoned, norms, books, embeddings, 0, quantizers)
+    assert _same(got, _rvq_reference(poisoned, norms, books, embeddings, 0, quantizers))
+    with pytest.raises(ValueError):
+        kernels.rvq_encode(poisoned, norms, books, embeddings, 4, 5)
+
+
+def test_tts_rvq_step_matches_upstream(models):
+    from mlx_vlm.models.nemotron_voicechat.tts import RVQEARTTSModel
+
+    ours, *_ = models("tiny")
+    tts = ours.tts_model.tts_model
+    quantizers = tts.config.num_quantizers
+    for code_dtype in (mx.int32, mx.int64, mx.uint32):
+        for start, count in [(0, quantizers), (0, 5), (5, 10), (quantizers - 3, 3), (4, 0)]:
+            code = mx.random.randint(0, 16, (1, 1, quantizers)).astype(code_dtype)
+            residual = mx.random.normal((1, 1, tts.config.latent_size))
+            got = tts._rvq_encode_step(residual, code, start, count)
+            want = RVQEARTTSModel._rvq_encode_step(tts, residual, code, start, count)
+            assert got.dtype == want.dtype and mx.array_equal(got, want).item()
+
+
+def test_kernels_from_other_threads(kernels):
+    rng = np.random.default_rng(12)
+    a = _random(rng, (33, 128), mx.bfloat16)
+    w = _random(rng, (96, 128), mx.bfloat16)
+    x = _random(rng, (2, 40, 96), mx.float32)
+    taps = _random(rng, (96, 7, 1), mx.float32)
+    expected = (a @ w.T, mx.conv1d(x, taps, groups=96))
+    mx.eval(a, w, x, taps, *expected)
+    failures = []
+
+    def work():
+        with mx.stream(mx.new_stream(mx.cpu)):
+            for _ in range(20):
+                if not (_same(native.linear(a, w), expected[0]) and _same(native.depthwise_conv1d(x, taps), expected[1])):
+                    failures.append("mismatch")
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+
+
+def test_switched_off_uses_mlx_and_gives_the_same_results(kernels, monkeypatch):
+    rng = np.random.default_rng(13)
+    a, w = _random(rng, (3, 20), mx.bfloat16), _random(rng, (10, 20), mx.bfloat16)
+    on = native.linear(a, w)
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert not native.available()
+    assert native.status().startswith("off")
+    off = native.linear(a, w)
+    assert _same(on, off)
+    assert native.rvq_encode(mx.zeros((1, 4)), mx.zeros((1, 2)), mx.zeros((1, 4, 2)), mx.zeros((1, 2, 4)), 0, 1) is None
+
+
+def test_build_is_cached_and_keyed(kernels, tmp_path, monkeypatch):
+    inputs = build._build_inputs()
+    key = build.build_key(inputs)
+    assert key == build.build_key(dict(inputs))
+    assert key != build.build_key({**inputs, "mlx": "0.0.0"})
+    target = build.build(tmp_path)
+    assert target.is_file() and target.parent.name == key
+    calls = []
+    monkeypatch.setattr(build, "_compile", lambda *args: calls.append(args))
+    assert build.build(tmp_path) == target  # cached: no compiler call
+    assert not calls
+
+
+def test_failed_build_falls_back_with_a_reason(monkeypatch, tmp_path, caplog):
+    def no_compiler():
+        raise build.BuildError("no C++ compiler found (set CXX, or install g++)")
+
+    monkeypatch.setattr(build, "_compiler", no_compiler)
+    monkeypatch.setenv("MLX_VOICECHAT_CACHE", str(tmp_path))
+    native.reset()
+    try:
+        with caplog.at_level("WARNING"):
+            assert not native.available()
+        assert "no C++ compiler" in native.status()
+        assert any("identical results" in record.getMessage() for record in caplog.records)
+        a = mx.ones((2, 3))
+        assert _same(native.matmul(a, mx.ones((3, 2))), a @ mx.ones((3, 2)))
+    finally:
+        monkeypatch.undo()
+        native.reset()
+        assert native.available()
