@@ -332,3 +332,14 @@ def test_failed_build_falls_back_with_a_reason(monkeypatch, tmp_path, caplog):
         monkeypatch.undo()
         native.reset()
         assert native.available()
+
+
+def test_command_line_reports_status(kernels, capsys, monkeypatch):
+    from mlx_voicechat_plugin.native.__main__ import main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "native CPU kernels: in use" in out and "_kernels" in out
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert main([]) == 1
+    assert "off" in capsys.readouterr().out

@@ -140,3 +140,16 @@ def test_silent_prompt_is_memoised_and_follows_the_weights(models):
 
 def _nested(name: str, value):
     return tree_unflatten([(name, value)])
+
+
+def test_turns_reuse_the_worker_threads(models, speech_16k):
+    import os
+
+    ours, tokenizer, *_ = models("tiny")
+    session = ours.create_session(tokenizer)
+    session.generate(speech_16k[:16000], extra_decoding_seconds=0.2)
+    before = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
+    for _ in range(3):
+        session.generate(speech_16k[:16000], extra_decoding_seconds=0.2)
+    if before is not None:  # OS threads (MLX streams own one each) do not grow per turn
+        assert len(os.listdir("/proc/self/task")) == before

@@ -82,11 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] offline {args.offline_preset} ...", file=sys.stderr)
         ours, tokenizer, upstream, processor, _ = load_pair(args.offline_preset, "bf16")
         rows = offline.run(ours, tokenizer, upstream, processor, speech, args.offline_seconds, args.recompute_limit)
-        results["offline"] = {"preset": args.offline_preset, "rows": rows}
+        results["offline"] = {
+            "preset": args.offline_preset,
+            "rows": rows,
+            "silent_prompt_s": offline.silent_prompt_seconds(ours, tokenizer),
+        }
 
     summary = report.summary_table(results["streaming"], results["floors"])
     stages = report.streaming_table(results["streaming"])
-    offline_text = report.offline_table(results["offline"]["rows"]) if "offline" in results else ""
+    offline_text = report.offline_table(results["offline"]) if "offline" in results else ""
     print(summary)
     print()
     print(stages)
@@ -111,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         args.markdown.write_text(
             "# Measured results\n\n"
             f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['platform']}, "
-            f"Python {m['python']}, MLX {m['mlx']} ({m['device']}). Matrix-vector bandwidth "
+            f"Python {m['python']}, MLX {m['mlx']} ({m['device']}); native CPU kernels: "
+            f"{m.get('native_kernels', 'unknown')}. Matrix-vector bandwidth "
             f"{results['matvec_bandwidth_gbps']:.2f} GB/s.\n\n"
             "## Streaming (per 80 ms frame, 5 cold frames dropped, runs interleaved)\n\n"
             "Wall time of each one-frame `push_audio` call with profiling off:\n\n"

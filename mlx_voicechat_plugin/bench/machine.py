@@ -8,7 +8,8 @@ import resource
 
 
 def describe() -> dict:
-    """CPU model, core count, memory, Python/MLX versions and the BLAS MLX links."""
+    """CPU model, core count, memory, Python/MLX versions, and whether the native CPU kernels
+    (:mod:`mlx_voicechat_plugin.native`) are in use."""
     import mlx.core as mx
 
     cpu = platform.processor() or platform.machine()
@@ -33,7 +34,14 @@ def describe() -> dict:
         "python": platform.python_version(),
         "mlx": mx.__version__,
         "device": str(mx.default_device()),
+        "native_kernels": _native_status(),
     }
+
+
+def _native_status() -> str:
+    from .. import native
+
+    return native.status()
 
 
 def peak_rss_mib() -> float:

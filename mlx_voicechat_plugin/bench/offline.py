@@ -13,6 +13,16 @@ def _timed(function, *args, **kwargs):
     return time.perf_counter() - start, result
 
 
+def silent_prompt_seconds(ours, tokenizer) -> float:
+    """Seconds of one un-memoised silent EAR-TTS prompt (upstream's ``_tts_prompt``)."""
+    import mlx.core as mx
+    from mlx_vlm.models.nemotron_voicechat.session import VoiceChatSession
+
+    session = ours.create_session(tokenizer)
+    seconds, prompt = _timed(lambda: mx.eval(VoiceChatSession._tts_prompt(session)))
+    return seconds
+
+
 def run(ours, tokenizer, upstream, processor, speech: np.ndarray, seconds: list[float], recompute_limit: float) -> list[dict]:
     """Ours (cached), upstream cached, and upstream default (full recompute, lengths up to
     ``recompute_limit`` seconds: its cost grows with the square of the length)."""

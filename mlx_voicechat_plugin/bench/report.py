@@ -45,7 +45,8 @@ def summary_table(results: dict, floors: dict) -> str:
     return "\n".join(lines)
 
 
-def offline_table(rows: list[dict]) -> str:
+def offline_table(offline: dict) -> str:
+    rows = offline["rows"]
     lines = [
         "| input s | frames | ours s | upstream cached s | upstream default s | default / ours | ids identical |",
         "|---:|---:|---:|---:|---:|---:|---|",
@@ -58,6 +59,15 @@ def offline_table(rows: list[dict]) -> str:
         lines.append(
             f"| {row['seconds']:g} | {row['frames']} | {row['ours_s']:.1f} | {row['upstream_cached_s']:.1f} | "
             f"{default_text} | {ratio} | {identical} |"
+        )
+    prompt = offline.get("silent_prompt_s")
+    if prompt is not None:
+        lines.append("")
+        lines.append(
+            f"The lengths run in this order on one freshly loaded model. Ours computes EAR-TTS's silent "
+            f"audio prompt (a codec encode of ~3 s of zeros, {prompt:.1f} s here) once per loaded "
+            f"model, so only its first turn pays it (the first row above); upstream pays it on "
+            f"every turn."
         )
     return "\n".join(lines)
 

@@ -5,7 +5,8 @@ is the audio frame and its own ids at t - 1), EAR-TTS (which needs the text id a
 RNNT transcript (which needs only the encoder frames). The language model and the RNNT run
 on worker threads, each on its own MLX CPU stream, while the calling thread runs EAR-TTS:
 the chains overlap on the cores instead of taking turns. Every chain performs exactly the
-operations it would perform alone, so the ids, codes and transcript are unchanged.
+operations it would perform alone, so the ids, codes and transcript are unchanged. The
+worker threads are shared by all turns of the process (at most :data:`MAX_WORKERS`).
 
 MLX evaluates a graph only on the thread that built it, so a worker is handed evaluated
 inputs and hands back host values (Python ints, strings), never lazy arrays.
@@ -16,37 +17,65 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import mlx.core as mx
 
 from ..model.parallel import side_stream
 
+#: Worker threads shared by every offline turn of the process. Each keeps its MLX streams
+#: (created once per thread: MLX never frees a stream) so turns do not add threads. They are
+#: daemon threads, left waiting at exit (joining threads that own MLX streams during
+#: interpreter shutdown aborts the process).
+MAX_WORKERS = 4
+_tasks: queue.SimpleQueue | None = None
+_tasks_lock = threading.Lock()
+
+
+def _serve(tasks: queue.SimpleQueue) -> None:
+    while True:
+        future, work, args = tasks.get()
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(work(*args))
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(error)
+
+
+def _submit(work, *args) -> Future:
+    global _tasks
+    with _tasks_lock:
+        if _tasks is None:
+            _tasks = queue.SimpleQueue()
+            for index in range(MAX_WORKERS):
+                threading.Thread(target=_serve, args=(_tasks,), name=f"voicechat-worker-{index}", daemon=True).start()
+    future: Future = Future()
+    _tasks.put((future, work, args))
+    return future
+
+
+def _in_own_stream(work, args):
+    with mx.stream(side_stream()):
+        return work(*args)
+
 
 class Job:
-    """``work(*args)`` on a daemon thread, its MLX operations on that thread's own stream.
+    """``work(*args)`` on one of the shared worker threads, its MLX operations on that
+    thread's own stream. :meth:`result` waits and returns the value or re-raises.
 
-    :meth:`result` joins the thread and returns the value or re-raises the exception.
+    Args:
+        name: what the job is (for error messages).
+        work: the callable.
     """
 
     def __init__(self, name: str, work: Callable, *args):
-        self._value = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(work, args), name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self, work, args) -> None:
-        try:
-            with mx.stream(side_stream()):
-                self._value = work(*args)
-        except BaseException as error:  # noqa: BLE001 - handed to result()
-            self._error = error
+        self.name = name
+        self._future = _submit(_in_own_stream, work, args)
 
     def result(self):
         """Wait for the work; its return value (or its exception, re-raised)."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
+        return self._future.result()
 
 
 class Stream:
