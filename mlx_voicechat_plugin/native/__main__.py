@@ -18,15 +18,13 @@ def main(argv: list[str] | None = None) -> int:
         "and MLX version, cached).",
     )
     parser.parse_args(argv)
-    from . import _state, status
+    from . import _state, available, status
 
-    line = status()
-    print(f"native CPU kernels: {line}")
-    module = _state.get("module")
-    if module is not None:
-        print(f"built at: {module.__file__}")
-        return 0
-    return 1
+    print(f"native CPU kernels: {status()}")
+    if not available():
+        return 1
+    print(f"built at: {_state['module'].__file__}")
+    return 0
 
 
 if __name__ == "__main__":
