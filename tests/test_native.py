@@ -343,3 +343,71 @@ def test_command_line_reports_status(kernels, capsys, monkeypatch):
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert main([]) == 1
     assert "off" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_batched_matmul_is_bit_identical(kernels, dtype):
+    rng = np.random.default_rng(14)
+    cases = [
+        ((2, 4, 5, 8), (2, 4, 8, 7)),
+        ((1, 4, 30, 64), (1, 4, 64, 59)),
+        ((4, 1, 5, 6), (1, 3, 6, 2)),  # broadcast batch axes
+        ((3, 1, 6), (3, 6, 2)),
+        ((2, 4, 1, 64), (2, 4, 64, 38)),
+        ((2, 0, 3), (2, 3, 4)),
+    ]
+    for a_shape, b_shape in cases:
+        a = _random(rng, a_shape, dtype)
+        b = _random(rng, b_shape, dtype)
+        assert _same(native.matmul(a, b), a @ b)
+        stored = mx.contiguous(b.swapaxes(-1, -2))
+        assert _same(native.matmul(a, stored.swapaxes(-1, -2)), a @ b)  # transposed view
+        assert _same(native.matmul(a.swapaxes(-1, -2).swapaxes(-1, -2)[..., ::1], b), a @ b)
+    a = _random(rng, (2, 3, 10, 8), dtype)
+    assert _same(native.matmul(a[:, :, ::2], _random(np.random.default_rng(1), (8, 5), dtype)), a[:, :, ::2] @ _random(np.random.default_rng(1), (8, 5), dtype))
+    with pytest.raises(ValueError):
+        kernels.exact_matmul(a, _random(rng, (2, 3, 8, 5), dtype), _random(rng, (5,), dtype))
+
+
+def test_batched_matmul_gradients_match_mlx(kernels):
+    rng = np.random.default_rng(15)
+    a, b = _random(rng, (2, 3, 4, 5), mx.float32), _random(rng, (1, 3, 5, 6), mx.float32)
+    got = mx.grad(lambda a, b: (native.matmul(a, b) ** 2).sum(), argnums=(0, 1))(a, b)
+    want = mx.grad(lambda a, b: ((a @ b) ** 2).sum(), argnums=(0, 1))(a, b)
+    for x, y in zip(got, want):
+        assert x.shape == y.shape and mx.allclose(x, y, rtol=1e-5, atol=1e-5).item()
+
+
+def test_attention_fallback_equals_mlx_sdpa(kernels):
+    from mlx_voicechat_plugin.model.attention import attention_fallback
+
+    rng = np.random.default_rng(16)
+    for dtype in FLOATS:
+        q, k, v = (_random(rng, (1, 4, 9, 16), dtype) for _ in range(3))
+        mask = _random(rng, (1, 4, 9, 9), dtype)
+        for m in (None, mask, mask[:, :1]):
+            expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
+            assert _same(attention_fallback(q, k, v, 0.25, m), expected)
+
+
+def test_exact_encoder_attention_matches_upstream(kernels):
+    from mlx_audio.stt.models.nemotron_asr.attention import RelPositionMultiHeadAttention
+
+    from mlx_voicechat_plugin.model.attention import (
+        ExactRelPositionMultiHeadAttention,
+        install_exact_attention,
+    )
+
+    rng = np.random.default_rng(17)
+    parent = nn.Module()
+    parent.attention = RelPositionMultiHeadAttention(4, 32, bias=True)
+    parent.attention.pos_bias_u = _random(rng, (4, 8), mx.float32)
+    parent.attention.pos_bias_v = _random(rng, (4, 8), mx.float32)
+    x = _random(rng, (1, 23, 32), mx.float32)
+    pos = _random(rng, (1, 45, 32), mx.float32)
+    mask = mx.where(mx.arange(23)[None, :] > mx.arange(23)[:, None] + 5, -float("inf"), 0.0)[None, None]
+    expected = [parent.attention(x, pos), parent.attention(x, pos, mask)]
+    assert install_exact_attention(parent) == 1
+    assert isinstance(parent.attention, ExactRelPositionMultiHeadAttention)
+    for got, want in zip([parent.attention(x, pos), parent.attention(x, pos, mask)], expected):
+        assert _same(got, want)

@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_vlm.models.nemotron_voicechat.model import Model as UpstreamModel
 
 from .. import native
+from .attention import install_exact_attention
 from .codec import ShapeKeyedISTFTCache, install_patch_upsampling
 from .convolutions import install_convolutions
 from .derived import rebuild_derived
@@ -61,6 +62,7 @@ class Model(UpstreamModel):
         self._position_caches = install_position_cache(self.stt_model.perception.encoder, left_context)
         install_subsampling_split(self.stt_model.perception.encoder.pre_encode)
         install_convolutions(self)
+        install_exact_attention(self.stt_model.perception.encoder)
         self.pinning: PinningReport | None = None
         self._tokenizer = None
 

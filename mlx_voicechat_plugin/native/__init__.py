@@ -229,8 +229,9 @@ def matmul(a: mx.array, b: mx.array, bias: mx.array | None = None) -> mx.array:
     """``a @ b`` (plus ``bias``), bit-identical to MLX's CPU product, faster when possible.
 
     Args:
-        a: ``(..., K)`` activations.
-        b: ``(K, N)`` matrix (any strides, e.g. ``weight.T`` of an ``(N, K)`` weight).
+        a: ``(..., K)`` activations; or ``(..., M, K)`` with a batched ``b``.
+        b: ``(K, N)`` matrix (any strides, e.g. ``weight.T`` of an ``(N, K)`` weight), or
+            ``(..., K, N)`` batched (batch axes broadcast as ``mx.matmul`` does; no bias).
         bias: optional ``(N,)``. float32: ``(a @ b) + bias``; bfloat16/float16:
             ``mx.addmm(bias, a, b)`` (the float32 sum plus the bias, rounded once), i.e.
             exactly what :class:`mlx.nn.Linear` computes for that dtype.
@@ -245,6 +246,8 @@ def matmul(a: mx.array, b: mx.array, bias: mx.array | None = None) -> mx.array:
         return _reference(a, b, bias)
     if usable(a, b):
         return _state["module"].exact_matmul(a, b, bias)
+    if bias is None and b.ndim > 2 and a.ndim >= 2 and a.dtype == b.dtype and a.dtype in _SUPPORTED and _active():
+        return _state["module"].exact_matmul(a, b)  # batched, broadcasting like mx.matmul
     return _reference(a, b, bias)
 
 

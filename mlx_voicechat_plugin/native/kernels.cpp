@@ -224,6 +224,62 @@ void run(const mx::array& a, const mx::array& b, bool transposed, const mx::arra
   }
 }
 
+// Batched: a (*batch, M, K), b (*batch, K, N) (or (*batch, N, K) when transposed), same
+// batch shape (broadcast views allowed), out (*batch, M, N) row-major. Each matrix pair is
+// one product with the per-element order above (MLX runs one BLAS/simd_gemm call per batch).
+template <typename T>
+void run_batched(const mx::array& a, const mx::array& b, bool transposed, mx::array& out) {
+  const int batch_dims = a.ndim() - 2;
+  const long M = a.shape(-2), K = a.shape(-1);
+  const long N = out.shape(-1);
+  long batches = 1;
+  for (int d = 0; d < batch_dims; ++d) batches *= a.shape(d);
+  if (M == 0 || N == 0 || batches == 0) return;
+  const long sam = a.strides()[a.ndim() - 2], sak = a.strides()[a.ndim() - 1];
+  const long sbk = transposed ? b.strides()[b.ndim() - 1] : b.strides()[b.ndim() - 2];
+  const long sbn = transposed ? b.strides()[b.ndim() - 2] : b.strides()[b.ndim() - 1];
+  const bool a_rows = sak == 1 && (sam == K || M == 1);
+  thread_local std::vector<char> a_copy;
+  if (!a_rows && a_copy.size() < static_cast<size_t>(M * K) * sizeof(T)) a_copy.resize(M * K * sizeof(T));
+  T* po = out.data<T>();
+  std::vector<long> index(batch_dims, 0);
+  long offset_a = 0, offset_b = 0;
+  for (long batch = 0; batch < batches; ++batch) {
+    const T* pa = a.data<T>() + offset_a;
+    if (!a_rows) {
+      T* dst = reinterpret_cast<T*>(a_copy.data());
+      for (long i = 0; i < M; ++i) {
+        for (long k = 0; k < K; ++k) dst[i * K + k] = pa[i * sam + k * sak];
+      }
+      pa = dst;
+    }
+    const T* pb = b.data<T>() + offset_b;
+    T* pout = po + batch * M * N;
+    float* result = nullptr;
+    if constexpr (std::is_same_v<T, float>) {
+      result = pout;
+    } else {
+      result = scratch(kResultScratch, static_cast<size_t>(M) * N);
+    }
+    if (K == 0) {
+      std::fill(result, result + M * N, 0.0f);
+    } else {
+      product<T>(pa, pb, M, N, K, sbk, sbn, result);
+    }
+    if constexpr (!std::is_same_v<T, float>) {
+      for (long i = 0; i < M * N; ++i) pout[i] = T(result[i]);
+    }
+    for (int d = batch_dims - 1; d >= 0; --d) {
+      offset_a += a.strides()[d];
+      offset_b += b.strides()[d];
+      if (++index[d] < a.shape(d)) break;
+      offset_a -= a.strides()[d] * a.shape(d);
+      offset_b -= b.strides()[d] * b.shape(d);
+      index[d] = 0;
+    }
+  }
+}
+
 class ExactMatmul : public mx::UnaryPrimitive {
  public:
   ExactMatmul(mx::Stream stream, bool transposed) : mx::UnaryPrimitive(stream), transposed_(transposed) {}
@@ -232,8 +288,9 @@ class ExactMatmul : public mx::UnaryPrimitive {
     const mx::array& a = inputs[0];
     const mx::array& b = inputs[1];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    const long K = transposed_ ? b.shape(1) : b.shape(0);
-    const long N = transposed_ ? b.shape(0) : b.shape(1);
+    const bool batched = b.ndim() > 2;
+    const long K = transposed_ ? b.shape(-1) : b.shape(-2);
+    const long N = transposed_ ? b.shape(-2) : b.shape(-1);
     const long M = K == 0 ? static_cast<long>(out.size() / std::max<long>(N, 1))
                           : static_cast<long>(a.size() / K);
     auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -245,8 +302,20 @@ class ExactMatmul : public mx::UnaryPrimitive {
     encoder.dispatch([a = mx::array::unsafe_weak_copy(a), b = mx::array::unsafe_weak_copy(b),
                       c = mx::array::unsafe_weak_copy(has_bias ? inputs[2] : b), has_bias,
                       transposed = transposed_, out = mx::array::unsafe_weak_copy(out), M, N,
-                      K]() mutable {
+                      K, batched]() mutable {
       const mx::array* bias = has_bias ? &c : nullptr;
+      if (batched) {
+        switch (out.dtype()) {
+          case mx::float32:
+            return run_batched<float>(a, b, transposed, out);
+          case mx::bfloat16:
+            return run_batched<mx::bfloat16_t>(a, b, transposed, out);
+          case mx::float16:
+            return run_batched<mx::float16_t>(a, b, transposed, out);
+          default:
+            throw std::runtime_error("exact_matmul: unsupported dtype");
+        }
+      }
       switch (out.dtype()) {
         case mx::float32:
           run<float>(a, b, transposed, bias, out, M, N, K);
@@ -273,9 +342,21 @@ class ExactMatmul : public mx::UnaryPrimitive {
       const std::vector<int>& argnums,
       const std::vector<mx::array>&) override {
     const mx::array& a = primals[0];
-    const mx::array b = transposed_ ? mx::transpose(primals[1], stream()) : primals[1];
     const mx::array& cotangent = cotangents[0];
     std::vector<mx::array> grads;
+    if (primals[1].ndim() > 2) {
+      const mx::array b = transposed_ ? mx::swapaxes(primals[1], -1, -2, stream()) : primals[1];
+      for (int arg : argnums) {
+        if (arg == 0) {
+          grads.push_back(mx::matmul(cotangent, mx::swapaxes(b, -1, -2, stream()), stream()));
+        } else {
+          auto grad = mx::matmul(mx::swapaxes(a, -1, -2, stream()), cotangent, stream());
+          grads.push_back(transposed_ ? mx::swapaxes(grad, -1, -2, stream()) : grad);
+        }
+      }
+      return grads;
+    }
+    const mx::array b = transposed_ ? mx::transpose(primals[1], stream()) : primals[1];
     for (int arg : argnums) {
       if (arg == 2) {
         const int N = b.shape(1);
@@ -304,7 +385,7 @@ class ExactMatmul : public mx::UnaryPrimitive {
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     mx::Shape shape = inputs[0].shape();
-    shape.back() = transposed_ ? inputs[1].shape(0) : inputs[1].shape(1);
+    shape.back() = transposed_ ? inputs[1].shape(-2) : inputs[1].shape(-1);
     return {shape};
   }
 
@@ -314,13 +395,14 @@ class ExactMatmul : public mx::UnaryPrimitive {
 
 mx::array exact_matmul(const mx::array& a, const mx::array& b, std::optional<mx::array> bias,
                        bool transpose) {
-  if (a.ndim() < 1 || b.ndim() != 2) {
+  const bool batched = b.ndim() > 2;
+  if (a.ndim() < 1 || b.ndim() < 2 || (batched && (a.ndim() < 2 || bias.has_value()))) {
     throw std::invalid_argument(
-        "exact_matmul: a must have at least 1 dimension and b exactly 2, got shapes " +
-        std::to_string(a.ndim()) + "-D and " + std::to_string(b.ndim()) + "-D");
+        "exact_matmul: a (..., K) with b (K, N) [+ bias], or a (..., M, K) with b (..., K, N) "
+        "and no bias; got " + std::to_string(a.ndim()) + "-D and " + std::to_string(b.ndim()) + "-D");
   }
-  const int inner = transpose ? b.shape(1) : b.shape(0);
-  const int width = transpose ? b.shape(0) : b.shape(1);
+  const int inner = transpose ? b.shape(-1) : b.shape(-2);
+  const int width = transpose ? b.shape(-2) : b.shape(-1);
   if (a.shape(-1) != inner) {
     throw std::invalid_argument(
         "exact_matmul: inner dimensions differ (" + std::to_string(a.shape(-1)) + " vs " +
@@ -336,6 +418,16 @@ mx::array exact_matmul(const mx::array& a, const mx::array& b, std::optional<mx:
     throw std::invalid_argument("exact_matmul runs on the CPU stream only");
   }
   std::vector<mx::array> inputs = {a, b};
+  if (batched) {
+    mx::Shape a_batch(a.shape().begin(), a.shape().end() - 2);
+    mx::Shape b_batch(b.shape().begin(), b.shape().end() - 2);
+    mx::Shape batch = mx::broadcast_shapes(a_batch, b_batch);
+    mx::Shape a_shape = batch, b_shape = batch;
+    a_shape.insert(a_shape.end(), a.shape().end() - 2, a.shape().end());
+    b_shape.insert(b_shape.end(), b.shape().end() - 2, b.shape().end());
+    inputs = {a.shape() == a_shape ? a : mx::broadcast_to(a, a_shape, stream),
+              b.shape() == b_shape ? b : mx::broadcast_to(b, b_shape, stream)};
+  }
   if (bias.has_value()) {
     if (bias->ndim() != 1 || bias->shape(0) != width || bias->dtype() != a.dtype()) {
       throw std::invalid_argument(
@@ -343,7 +435,7 @@ mx::array exact_matmul(const mx::array& a, const mx::array& b, std::optional<mx:
     }
     inputs.push_back(*bias);
   }
-  mx::Shape shape = a.shape();
+  mx::Shape shape = inputs[0].shape();
   shape.back() = width;
   return mx::array(std::move(shape), a.dtype(), std::make_shared<ExactMatmul>(stream, transpose),
                    std::move(inputs));
