@@ -389,3 +389,25 @@ def test_clear_caches_follows_parameters_changed_in_place(checkpoint, speech_16k
     assert result.text_tokens == reference.text_tokens.tolist()
     np.testing.assert_array_equal(result.audio_codes, np.array(reference.audio_codes))
     assert result.user_transcript == reference.user_transcript
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("split", [True, False], ids=["two-streams", "one-stream"])
+def test_long_convnext_input_in_row_chunks_equals_upstream(monkeypatch, dtype, split):
+    from mlx_voicechat_plugin.model import codec as codec_module
+    from mlx_voicechat_plugin.model.convolutions import install_convolutions
+
+    monkeypatch.setattr(codec_module, "ROW_CHUNK", 16)  # 100 rows -> 7 chunks, the last short
+    monkeypatch.setattr(parallel, "MIN_SPLIT_WORK", 0)
+    monkeypatch.setenv(parallel.SPLIT_ENV, "1" if split else "0")
+    reference = ConvNeXtBlock1d(24, 7, layer_id=1)
+    reference.update(tree_map(lambda a: (a + 0.1 * mx.random.normal(a.shape)).astype(dtype), reference.parameters()))
+    fast = ConvNeXtBlock1d(24, 7, layer_id=1)
+    fast.update(reference.parameters())
+    fast.__class__ = FastConvNeXtBlock1d
+    fast.pwconv1 = _pointwise(fast.pwconv1)
+    fast.pwconv2 = _pointwise(fast.pwconv2)
+    fast.update(reference.parameters())
+    install_convolutions(fast)
+    x = mx.random.normal((1, 100, 24)).astype(dtype) * 3
+    assert mx.array_equal(fast(x), reference(x)).item()

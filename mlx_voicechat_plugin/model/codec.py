@@ -28,7 +28,7 @@ from mlx_audio.dsp import ISTFTCache
 
 from ..native import matmul
 from .activations import gelu
-from .parallel import split_columns, split_rows
+from .parallel import chunked_rows, split_columns
 
 
 class ShapeKeyedISTFTCache(ISTFTCache):
@@ -102,6 +102,9 @@ class PointwiseConv1d(nn.Conv1d):
 #: Fewest time steps for which a ConvNeXt block splits its rows (not its products) over
 #: the two cores: with few rows, each core would convert the whole weight for little work.
 ROW_SPLIT_MIN_STEPS = 32
+#: Rows per chunk for long inputs (the offline decode's high-rate stages): small enough
+#: for the pointwise chain's intermediates to stay in cache.
+ROW_CHUNK = 4096
 
 
 class FastConvNeXtBlock1d(ConvNeXtBlock1d):
@@ -124,7 +127,7 @@ class FastConvNeXtBlock1d(ConvNeXtBlock1d):
         steps = inputs.shape[0] * inputs.shape[1]
         if steps >= ROW_SPLIT_MIN_STEPS:
             per_step = self.pwconv1.weight.size + self.pwconv2.weight.size
-            return split_rows(hidden, self._pointwise_rows, per_step, residual)
+            return chunked_rows(hidden, self._pointwise_rows, ROW_CHUNK, per_step, residual)
         hidden = self.norm(hidden)
         if isinstance(self.pwconv1, PointwiseConv1d):
             hidden = self.pwconv1(hidden, activation=gelu)
