@@ -95,8 +95,8 @@ def _load():
         try:
             module = load()
             _self_test(module)
-        except (BuildError, RuntimeError, TypeError, ValueError) as error:
-            _state["reason"] = str(error)
+        except Exception as error:  # noqa: BLE001 - any failure means MLX's own operations
+            _state["reason"] = str(error) if isinstance(error, BuildError) else f"{type(error).__name__}: {error}"
             _log.warning(
                 "mlx-voicechat-plugin: exact CPU product kernel unavailable (%s); using MLX's "
                 "products (identical results, slower)",
@@ -157,13 +157,17 @@ def depthwise_conv1d(x: mx.array, weight: mx.array, padding: int = 0) -> mx.arra
         and weight.shape[0] == x.shape[2]
         and x.dtype == weight.dtype
         and x.dtype in _SUPPORTED
+        and padding >= 0
         and _active()
     ):
         return _state["module"].depthwise_conv1d(x, weight, padding)
+    if x.ndim == 3 and x.shape[-1] == 0 and weight.ndim == 3:  # MLX's conv aborts on 0 groups
+        steps = max(x.shape[1] + 2 * padding - weight.shape[1] + 1, 0)
+        return mx.zeros((x.shape[0], steps, 0), dtype=mx.result_type(x, weight))
     return mx.conv1d(x, weight, padding=padding, groups=x.shape[-1])
 
 
-def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     """``mx.fast.rms_norm(x, weight, eps)``, bit for bit (one kernel instead of the eight
     operations MLX's CPU backend runs: float32 square, in-order sum, times ``1 / n``, plus
     ``eps``, ``1 / sqrt``, scale, cast, times ``weight``).
@@ -173,6 +177,8 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
         weight: ``(n,)``; the kernel runs when it has ``x``'s dtype or a narrower one
             (cast first, as ``mx.fast.rms_norm`` casts it).
     """
+    if weight is None:
+        return mx.fast.rms_norm(x, None, eps)
     if weight.dtype != x.dtype and x.dtype in _SUPPORTED and mx.result_type(x, weight) == x.dtype:
         weight = weight.astype(x.dtype)  # what mx.fast.rms_norm does with a narrower weight
     if (
@@ -242,7 +248,7 @@ def matmul(a: mx.array, b: mx.array, bias: mx.array | None = None) -> mx.array:
     Raises:
         ValueError: shapes that ``mx.matmul`` also rejects.
     """
-    if bias is not None and (bias.ndim != 1 or bias.dtype != a.dtype):
+    if bias is not None and (bias.ndim != 1 or bias.dtype != a.dtype or b.ndim != 2 or bias.shape[0] != b.shape[1]):
         return _reference(a, b, bias)
     if usable(a, b):
         return _state["module"].exact_matmul(a, b, bias)
@@ -261,7 +267,9 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
         weight: ``(N, K)``.
         bias: optional ``(N,)`` (see :func:`matmul` for how it is added).
     """
-    if bias is not None and (bias.ndim != 1 or bias.dtype != x.dtype):
+    if bias is not None and (
+        bias.ndim != 1 or bias.dtype != x.dtype or weight.ndim != 2 or bias.shape[0] != weight.shape[0]
+    ):
         return _reference(x, weight.T, bias)
     if weight.ndim == 2 and x.ndim >= 1 and x.dtype == weight.dtype and x.dtype in _SUPPORTED and _active():
         return _state["module"].exact_matmul(x, weight, bias, True)

@@ -8,7 +8,8 @@ under :func:`~mlx_voicechat_plugin.demo.cache.cache_root` ``/native/<key>/``, wh
 key covers the source, the MLX, nanobind and Python versions, the compiler and the CPU.
 
 Concurrent builders are serialised with a file lock; a build is written under a temporary
-name and renamed into place.
+name and renamed into place, and its SHA-256 is recorded beside it: a cached library that no
+longer matches (truncated, replaced) is rebuilt rather than loaded.
 
 Nothing here is required: when a compiler, the Python headers, MLX's headers or a matching
 nanobind are missing, when the build fails, or when the loaded kernel does not reproduce
@@ -186,19 +187,35 @@ def _compile(inputs: dict[str, str], target: Path) -> None:
             ],
             work,
         )
+        if not linked.is_file():
+            raise BuildError(f"the compiler ({compiler}) reported success but wrote no library")
         os.replace(linked, target)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(target: Path) -> bool:
+    """The cached object exists and matches the digest recorded when it was built (a
+    truncated or replaced file would crash the process when loaded)."""
+    record = target.with_name(target.name + ".sha256")
+    try:
+        return target.is_file() and record.read_text().strip() == _digest(target)
+    except OSError:
+        return False
 
 
 def _import(path: Path):
     name = f"mlx_voicechat_plugin.native.{MODULE}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise BuildError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
     try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise BuildError(f"cannot import {path}")
+        module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    except ImportError as error:
-        raise BuildError(f"cannot import the native kernel: {error}") from None
+    except (ImportError, OSError) as error:
+        raise BuildError(f"cannot import the native kernel {path}: {error}") from None
     sys.modules[name] = module
     return module
 
@@ -216,16 +233,19 @@ def build(cache: Path | None = None) -> Path:
     inputs = _build_inputs()
     directory = cache / build_key(inputs)
     target = directory / f"{MODULE}{inputs['suffix']}"
-    if target.is_file():
+    if _intact(target):
         return target
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not _intact(target):
+                _compile(inputs, target)
+                target.with_name(target.name + ".sha256").write_text(_digest(target) + "\n")
     except OSError as error:
-        raise BuildError(f"cannot create the kernel cache {directory}: {error}") from None
-    with open(directory / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.is_file():
-            _compile(inputs, target)
+        raise BuildError(f"cannot build the native kernel in {directory}: {error}") from None
+    if not _intact(target):
+        raise BuildError(f"the native kernel build in {directory} left no intact library")
     return target
 
 

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <type_traits>
@@ -40,7 +41,9 @@
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/fast.h"
 #include "mlx/ops.h"
+#include "mlx/transforms.h"
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
 #include "mlx/utils.h"
@@ -224,6 +227,30 @@ void run(const mx::array& a, const mx::array& b, bool transposed, const mx::arra
   }
 }
 
+// Derivatives: every kernel differentiates as the MLX computation it replaces.
+using Reference = std::function<std::vector<mx::array>(const std::vector<mx::array>&)>;
+
+std::vector<mx::array> reference_vjp(const Reference& reference, const std::vector<mx::array>& primals,
+                                     const std::vector<mx::array>& cotangents, const std::vector<int>& argnums) {
+  auto grads = mx::vjp(reference, primals, cotangents).second;
+  std::vector<mx::array> selected;
+  for (int arg : argnums) selected.push_back(grads[arg]);
+  return selected;
+}
+
+std::vector<mx::array> reference_jvp(const Reference& reference, const std::vector<mx::array>& primals,
+                                     const std::vector<mx::array>& tangents, const std::vector<int>& argnums) {
+  std::vector<mx::array> all;
+  for (size_t i = 0, j = 0; i < primals.size(); ++i) {
+    if (j < argnums.size() && argnums[j] == static_cast<int>(i)) {
+      all.push_back(tangents[j++]);
+    } else {
+      all.push_back(mx::zeros_like(primals[i]));
+    }
+  }
+  return mx::jvp(reference, primals, all).second;
+}
+
 // Batched: a (*batch, M, K), b (*batch, K, N) (or (*batch, N, K) when transposed), same
 // batch shape (broadcast views allowed), out (*batch, M, N) row-major. Each matrix pair is
 // one product with the per-element order above (MLX runs one BLAS/simd_gemm call per batch).
@@ -373,6 +400,19 @@ class ExactMatmul : public mx::UnaryPrimitive {
       }
     }
     return grads;
+  }
+
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
+                             const std::vector<int>& argnums) override {
+    const bool transposed = transposed_;
+    const auto s = stream();
+    Reference reference = [transposed, s](const std::vector<mx::array>& in) {
+      const mx::array b = transposed ? mx::swapaxes(in[1], -1, -2, s) : in[1];
+      mx::array y = mx::matmul(in[0], b, s);
+      if (in.size() == 3) y = mx::add(y, in[2], s);
+      return std::vector<mx::array>{y};
+    };
+    return reference_jvp(reference, primals, tangents, argnums);
   }
 
   const char* name() const override {
@@ -575,6 +615,24 @@ class DepthwiseConv1d : public mx::UnaryPrimitive {
     throw std::runtime_error("depthwise_conv1d has no GPU implementation");
   }
 
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    return reference_vjp(reference(), primals, cotangents, argnums);
+  }
+
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
+                             const std::vector<int>& argnums) override {
+    return reference_jvp(reference(), primals, tangents, argnums);
+  }
+
+  Reference reference() {
+    const int padding = padding_;
+    const auto s = stream();
+    return [padding, s](const std::vector<mx::array>& in) {
+      return std::vector<mx::array>{mx::conv1d(in[0], in[1], 1, padding, 1, in[0].shape(-1), s)};
+    };
+  }
+
   const char* name() const override {
     return "DepthwiseConv1d";
   }
@@ -696,12 +754,30 @@ class RMSNormKernel : public mx::UnaryPrimitive {
     throw std::runtime_error("rms_norm has no GPU implementation");
   }
 
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    return reference_vjp(reference(), primals, cotangents, argnums);
+  }
+
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
+                             const std::vector<int>& argnums) override {
+    return reference_jvp(reference(), primals, tangents, argnums);
+  }
+
   const char* name() const override {
     return "RMSNormKernel";
   }
 
   bool is_equivalent(const mx::Primitive& other) const override {
     return static_cast<const RMSNormKernel&>(other).eps_ == eps_;
+  }
+
+  Reference reference() {
+    const float eps = eps_;
+    const auto s = stream();
+    return [eps, s](const std::vector<mx::array>& in) {
+      return std::vector<mx::array>{mx::fast::rms_norm(in[0], in[1], eps, s)};
+    };
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -808,6 +884,21 @@ class RVQEncode : public mx::UnaryPrimitive {
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("rvq_encode has no GPU implementation");
+  }
+
+  // Indices (like mx.argmin's) carry no derivative: zero cotangents for every input.
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>&,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    std::vector<mx::array> grads;
+    for (int arg : argnums) grads.push_back(mx::zeros_like(primals[arg], stream()));
+    return grads;
+  }
+
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>&,
+                             const std::vector<int>&) override {
+    mx::Shape shape = primals[0].shape();
+    shape.back() = count_;
+    return {mx::zeros(shape, mx::uint32, stream())};
   }
 
   const char* name() const override {
