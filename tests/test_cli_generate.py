@@ -536,3 +536,13 @@ def test_limits_are_inclusive(tmp_path, long_inputs, case, extra_args):
     assert len(result.err_lines()) == 1, result.err
     assert "no-such-checkpoint" in result.err and "Traceback" not in result.err
     assert not output.exists()
+
+
+def test_console_script_help_lists_the_commands(capsys):
+    from mlx_voicechat_plugin.cli.main import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("generate", "serve", "demo"):
+        assert f"\n  {command} " in out
+    assert main([]) == 2

@@ -8,12 +8,25 @@ from __future__ import annotations
 
 import sys
 
+HELP = """usage: mlx-voicechat {generate,serve,demo} ...
+
+NemotronLabs VoiceChat on MLX.
+
+commands:
+  generate   answer one spoken question offline (text + speech); --stream for the online session
+  serve      the realtime WebSocket server (/v1/realtime; needs the 'server' extra)
+  demo       build random-weight demo checkpoints (demo build OUT --preset tiny|small|medium)
+
+Run 'mlx-voicechat <command> --help' for a command's options. Without --model, generate uses
+the built-in tiny demo checkpoint. 'python -m mlx_voicechat_plugin.native' reports the native
+CPU kernels."""
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = "usage: mlx-voicechat {generate,serve,demo} ...  (mlx-voicechat <command> --help)"
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
+        print(usage if not argv else HELP)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "generate":
