@@ -251,6 +251,62 @@ std::vector<mx::array> reference_jvp(const Reference& reference, const std::vect
   return mx::jvp(reference, primals, all).second;
 }
 
+// Calls f(T{}) with T the C++ type of a float32 / bfloat16 / float16 dtype.
+template <typename F>
+void dispatch_float(mx::Dtype dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case mx::float32:
+      return f(float{});
+    case mx::bfloat16:
+      return f(mx::bfloat16_t{});
+    case mx::float16:
+      return f(mx::float16_t{});
+    default:
+      throw std::runtime_error(std::string(op) + ": unsupported dtype");
+  }
+}
+
+// The default stream, which must be a CPU stream (every kernel here is CPU-only).
+mx::Stream cpu_stream(const char* op) {
+  mx::Stream stream = mx::default_stream(mx::default_device());
+  if (stream.device.type != mx::Device::DeviceType::cpu) {
+    throw std::invalid_argument(std::string(op) + " runs on the CPU stream only");
+  }
+  return stream;
+}
+
+// A CPU-only kernel: `op` names it in errors.
+class CpuKernel : public mx::UnaryPrimitive {
+ public:
+  CpuKernel(mx::Stream stream, const char* op) : mx::UnaryPrimitive(stream), op_(op) {}
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error(std::string(op_) + " has no GPU implementation");
+  }
+
+ protected:
+  const char* op_;
+};
+
+// A CPU kernel that differentiates as `reference()`, the MLX computation it replaces.
+class ReferenceKernel : public CpuKernel {
+ public:
+  using CpuKernel::CpuKernel;
+
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    return reference_vjp(reference(), primals, cotangents, argnums);
+  }
+
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
+                             const std::vector<int>& argnums) override {
+    return reference_jvp(reference(), primals, tangents, argnums);
+  }
+
+ protected:
+  virtual Reference reference() = 0;
+};
+
 // Batched: a (*batch, M, K), b (*batch, K, N) (or (*batch, N, K) when transposed), same
 // batch shape (broadcast views allowed), out (*batch, M, N) row-major. Each matrix pair is
 // one product with the per-element order above (MLX runs one BLAS/simd_gemm call per batch).
@@ -307,9 +363,9 @@ void run_batched(const mx::array& a, const mx::array& b, bool transposed, mx::ar
   }
 }
 
-class ExactMatmul : public mx::UnaryPrimitive {
+class ExactMatmul : public CpuKernel {
  public:
-  ExactMatmul(mx::Stream stream, bool transposed) : mx::UnaryPrimitive(stream), transposed_(transposed) {}
+  ExactMatmul(mx::Stream stream, bool transposed) : CpuKernel(stream, "exact_matmul"), transposed_(transposed) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& a = inputs[0];
@@ -331,36 +387,15 @@ class ExactMatmul : public mx::UnaryPrimitive {
                       transposed = transposed_, out = mx::array::unsafe_weak_copy(out), M, N,
                       K, batched]() mutable {
       const mx::array* bias = has_bias ? &c : nullptr;
-      if (batched) {
-        switch (out.dtype()) {
-          case mx::float32:
-            return run_batched<float>(a, b, transposed, out);
-          case mx::bfloat16:
-            return run_batched<mx::bfloat16_t>(a, b, transposed, out);
-          case mx::float16:
-            return run_batched<mx::float16_t>(a, b, transposed, out);
-          default:
-            throw std::runtime_error("exact_matmul: unsupported dtype");
+      dispatch_float(out.dtype(), "exact_matmul", [&](auto tag) {
+        using T = decltype(tag);
+        if (batched) {
+          run_batched<T>(a, b, transposed, out);
+        } else {
+          run<T>(a, b, transposed, bias, out, M, N, K);
         }
-      }
-      switch (out.dtype()) {
-        case mx::float32:
-          run<float>(a, b, transposed, bias, out, M, N, K);
-          break;
-        case mx::bfloat16:
-          run<mx::bfloat16_t>(a, b, transposed, bias, out, M, N, K);
-          break;
-        case mx::float16:
-          run<mx::float16_t>(a, b, transposed, bias, out, M, N, K);
-          break;
-        default:
-          throw std::runtime_error("exact_matmul: unsupported dtype");
-      }
+      });
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("exact_matmul has no GPU implementation; use mx.matmul");
   }
 
   std::vector<mx::array> vjp(
@@ -453,10 +488,7 @@ mx::array exact_matmul(const mx::array& a, const mx::array& b, std::optional<mx:
     throw std::invalid_argument(
         "exact_matmul: a and b must share one of float32, bfloat16, float16");
   }
-  mx::Stream stream = mx::default_stream(mx::default_device());
-  if (stream.device.type != mx::Device::DeviceType::cpu) {
-    throw std::invalid_argument("exact_matmul runs on the CPU stream only");
-  }
+  mx::Stream stream = cpu_stream("exact_matmul");
   std::vector<mx::array> inputs = {a, b};
   if (batched) {
     mx::Shape a_batch(a.shape().begin(), a.shape().end() - 2);
@@ -485,9 +517,9 @@ mx::array exact_matmul(const mx::array& a, const mx::array& b, std::optional<mx:
 // ---------------------------------------------------------------------------------------
 // lookup16
 
-class Lookup16 : public mx::UnaryPrimitive {
+class Lookup16 : public CpuKernel {
  public:
-  explicit Lookup16(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  explicit Lookup16(mx::Stream stream) : CpuKernel(stream, "lookup16") {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& x = inputs[0];
@@ -505,10 +537,6 @@ class Lookup16 : public mx::UnaryPrimitive {
       const size_t n = out.size();
       for (size_t i = 0; i < n; ++i) result[i] = values[in[i]];
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("lookup16 has no GPU implementation");
   }
 
   const char* name() const override {
@@ -530,10 +558,7 @@ mx::array lookup16(const mx::array& x, const mx::array& table) {
     throw std::invalid_argument(
         "lookup16: x must be bfloat16/float16 and table a (65536,) array of the same dtype");
   }
-  mx::Stream stream = mx::default_stream(mx::default_device());
-  if (stream.device.type != mx::Device::DeviceType::cpu) {
-    throw std::invalid_argument("lookup16 runs on the CPU stream only");
-  }
+  mx::Stream stream = cpu_stream("lookup16");
   return mx::array(x.shape(), x.dtype(), std::make_shared<Lookup16>(stream), {x, table});
 }
 
@@ -577,9 +602,9 @@ void depthwise(const T* x, const T* w, T* y, long batch, long steps_in, long cha
   }
 }
 
-class DepthwiseConv1d : public mx::UnaryPrimitive {
+class DepthwiseConv1d : public ReferenceKernel {
  public:
-  DepthwiseConv1d(mx::Stream stream, int padding) : mx::UnaryPrimitive(stream), padding_(padding) {}
+  DepthwiseConv1d(mx::Stream stream, int padding) : ReferenceKernel(stream, "depthwise_conv1d"), padding_(padding) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& x = inputs[0];
@@ -593,39 +618,15 @@ class DepthwiseConv1d : public mx::UnaryPrimitive {
                       out = mx::array::unsafe_weak_copy(out), padding = long(padding_)]() mutable {
       const long batch = x.shape(0), steps_in = x.shape(1), channels = x.shape(2), taps = w.shape(1);
       if (out.size() == 0) return;
-      switch (out.dtype()) {
-        case mx::float32:
-          depthwise<float>(row_contiguous<float>(x, 0), row_contiguous<float>(w, 1), out.data<float>(), batch, steps_in, channels, taps, padding);
-          break;
-        case mx::bfloat16:
-          depthwise<mx::bfloat16_t>(row_contiguous<mx::bfloat16_t>(x, 0), row_contiguous<mx::bfloat16_t>(w, 1),
-                                    out.data<mx::bfloat16_t>(), batch, steps_in, channels, taps, padding);
-          break;
-        case mx::float16:
-          depthwise<mx::float16_t>(row_contiguous<mx::float16_t>(x, 0), row_contiguous<mx::float16_t>(w, 1),
-                                   out.data<mx::float16_t>(), batch, steps_in, channels, taps, padding);
-          break;
-        default:
-          throw std::runtime_error("depthwise_conv1d: unsupported dtype");
-      }
+      dispatch_float(out.dtype(), "depthwise_conv1d", [&](auto tag) {
+        using T = decltype(tag);
+        depthwise<T>(row_contiguous<T>(x, 0), row_contiguous<T>(w, 1), out.data<T>(), batch, steps_in, channels,
+                     taps, padding);
+      });
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("depthwise_conv1d has no GPU implementation");
-  }
-
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
-    return reference_vjp(reference(), primals, cotangents, argnums);
-  }
-
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
-                             const std::vector<int>& argnums) override {
-    return reference_jvp(reference(), primals, tangents, argnums);
-  }
-
-  Reference reference() {
+  Reference reference() override {
     const int padding = padding_;
     const auto s = stream();
     return [padding, s](const std::vector<mx::array>& in) {
@@ -660,10 +661,7 @@ mx::array depthwise_conv1d(const mx::array& x, const mx::array& w, int padding) 
       (x.dtype() != mx::float32 && x.dtype() != mx::bfloat16 && x.dtype() != mx::float16)) {
     throw std::invalid_argument("depthwise_conv1d: x and w must share one floating dtype");
   }
-  mx::Stream stream = mx::default_stream(mx::default_device());
-  if (stream.device.type != mx::Device::DeviceType::cpu) {
-    throw std::invalid_argument("depthwise_conv1d runs on the CPU stream only");
-  }
+  mx::Stream stream = cpu_stream("depthwise_conv1d");
   mx::Shape shape = {x.shape(0), x.shape(1) + 2 * padding - w.shape(1) + 1, x.shape(2)};
   return mx::array(std::move(shape), x.dtype(), std::make_shared<DepthwiseConv1d>(stream, padding),
                    {x, w});
@@ -715,9 +713,9 @@ void rms_rows<float>(const float* x, const float* w, float* y, long rows, long n
   }
 }
 
-class RMSNormKernel : public mx::UnaryPrimitive {
+class RMSNormKernel : public ReferenceKernel {
  public:
-  RMSNormKernel(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
+  RMSNormKernel(mx::Stream stream, float eps) : ReferenceKernel(stream, "rms_norm"), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& x = inputs[0];
@@ -732,36 +730,11 @@ class RMSNormKernel : public mx::UnaryPrimitive {
       const long n = x.shape(-1);
       if (out.size() == 0 || n == 0) return;
       const long rows = static_cast<long>(out.size()) / n;
-      switch (out.dtype()) {
-        case mx::float32:
-          rms_rows<float>(row_contiguous<float>(x, 0), row_contiguous<float>(w, 1), out.data<float>(), rows, n, eps);
-          break;
-        case mx::bfloat16:
-          rms_rows<mx::bfloat16_t>(row_contiguous<mx::bfloat16_t>(x, 0), row_contiguous<mx::bfloat16_t>(w, 1),
-                                   out.data<mx::bfloat16_t>(), rows, n, eps);
-          break;
-        case mx::float16:
-          rms_rows<mx::float16_t>(row_contiguous<mx::float16_t>(x, 0), row_contiguous<mx::float16_t>(w, 1),
-                                  out.data<mx::float16_t>(), rows, n, eps);
-          break;
-        default:
-          throw std::runtime_error("rms_norm: unsupported dtype");
-      }
+      dispatch_float(out.dtype(), "rms_norm", [&](auto tag) {
+        using T = decltype(tag);
+        rms_rows<T>(row_contiguous<T>(x, 0), row_contiguous<T>(w, 1), out.data<T>(), rows, n, eps);
+      });
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("rms_norm has no GPU implementation");
-  }
-
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
-    return reference_vjp(reference(), primals, cotangents, argnums);
-  }
-
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
-                             const std::vector<int>& argnums) override {
-    return reference_jvp(reference(), primals, tangents, argnums);
   }
 
   const char* name() const override {
@@ -772,7 +745,7 @@ class RMSNormKernel : public mx::UnaryPrimitive {
     return static_cast<const RMSNormKernel&>(other).eps_ == eps_;
   }
 
-  Reference reference() {
+  Reference reference() override {
     const float eps = eps_;
     const auto s = stream();
     return [eps, s](const std::vector<mx::array>& in) {
@@ -796,10 +769,7 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
       (x.dtype() != mx::float32 && x.dtype() != mx::bfloat16 && x.dtype() != mx::float16)) {
     throw std::invalid_argument("rms_norm: x and weight must share one floating dtype");
   }
-  mx::Stream stream = mx::default_stream(mx::default_device());
-  if (stream.device.type != mx::Device::DeviceType::cpu) {
-    throw std::invalid_argument("rms_norm runs on the CPU stream only");
-  }
+  mx::Stream stream = cpu_stream("rms_norm");
   return mx::array(x.shape(), x.dtype(), std::make_shared<RMSNormKernel>(stream, eps), {x, weight});
 }
 
@@ -845,10 +815,10 @@ void rvq_rows(const float* residual, long rows, long latent, const N* norms, con
   }
 }
 
-class RVQEncode : public mx::UnaryPrimitive {
+class RVQEncode : public CpuKernel {
  public:
   RVQEncode(mx::Stream stream, int start, int count)
-      : mx::UnaryPrimitive(stream), start_(start), count_(count) {}
+      : CpuKernel(stream, "rvq_encode"), start_(start), count_(count) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -880,10 +850,6 @@ class RVQEncode : public mx::UnaryPrimitive {
         rvq_rows(r, rows, latent, row_contiguous<float>(norms, 2), b, row_contiguous<float>(embeddings, 3), codes, start, count, o);
       }
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("rvq_encode has no GPU implementation");
   }
 
   // Indices (like mx.argmin's) carry no derivative: zero cotangents for every input.
@@ -943,10 +909,7 @@ mx::array rvq_encode(const mx::array& residual, const mx::array& norms, const mx
   if (start < 0 || count < 0 || start + count > Q) {
     throw std::invalid_argument("rvq_encode: codebooks [start, start + count) out of range");
   }
-  mx::Stream stream = mx::default_stream(mx::default_device());
-  if (stream.device.type != mx::Device::DeviceType::cpu) {
-    throw std::invalid_argument("rvq_encode runs on the CPU stream only");
-  }
+  mx::Stream stream = cpu_stream("rvq_encode");
   mx::Shape shape = residual.shape();
   shape.back() = count;
   return mx::array(std::move(shape), mx::uint32, std::make_shared<RVQEncode>(stream, start, count),
