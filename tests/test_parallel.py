@@ -135,17 +135,23 @@ def test_gelu_falls_back_for_float32():
         activations.gelu_table(mx.float32)
 
 
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-@pytest.mark.parametrize("length", [1, 9, 63])
-def test_fast_convnext_block_equals_upstream(always_split, dtype, length):
-    reference = ConvNeXtBlock1d(32, 7, layer_id=3)
+def _convnext_pair(channels: int, layer_id: int, dtype):
+    """An upstream ``ConvNeXtBlock1d`` with perturbed parameters and its fast twin (same
+    parameters, pointwise convs swapped as the codec installs them)."""
+    reference = ConvNeXtBlock1d(channels, 7, layer_id=layer_id)
     reference.update(tree_map(lambda a: (a + 0.1 * mx.random.normal(a.shape)).astype(dtype), reference.parameters()))
-    fast = ConvNeXtBlock1d(32, 7, layer_id=3)
-    fast.update(reference.parameters())
+    fast = ConvNeXtBlock1d(channels, 7, layer_id=layer_id)
     fast.__class__ = FastConvNeXtBlock1d
     fast.pwconv1 = _pointwise(fast.pwconv1)
     fast.pwconv2 = _pointwise(fast.pwconv2)
     fast.update(reference.parameters())
+    return reference, fast
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("length", [1, 9, 63])
+def test_fast_convnext_block_equals_upstream(always_split, dtype, length):
+    reference, fast = _convnext_pair(32, 3, dtype)
     assert isinstance(fast.pwconv1, PointwiseConv1d)
     x = mx.random.normal((1, length, 32)).astype(dtype)
     assert mx.array_equal(fast(x), reference(x)).item()
@@ -400,14 +406,7 @@ def test_long_convnext_input_in_row_chunks_equals_upstream(monkeypatch, dtype, s
     monkeypatch.setattr(codec_module, "ROW_CHUNK", 16)  # 100 rows -> 7 chunks, the last short
     monkeypatch.setattr(parallel, "MIN_SPLIT_WORK", 0)
     monkeypatch.setenv(parallel.SPLIT_ENV, "1" if split else "0")
-    reference = ConvNeXtBlock1d(24, 7, layer_id=1)
-    reference.update(tree_map(lambda a: (a + 0.1 * mx.random.normal(a.shape)).astype(dtype), reference.parameters()))
-    fast = ConvNeXtBlock1d(24, 7, layer_id=1)
-    fast.update(reference.parameters())
-    fast.__class__ = FastConvNeXtBlock1d
-    fast.pwconv1 = _pointwise(fast.pwconv1)
-    fast.pwconv2 = _pointwise(fast.pwconv2)
-    fast.update(reference.parameters())
+    reference, fast = _convnext_pair(24, 1, dtype)
     install_convolutions(fast)
     x = mx.random.normal((1, 100, 24)).astype(dtype) * 3
     assert mx.array_equal(fast(x), reference(x)).item()
