@@ -63,6 +63,21 @@ def greedy_transcript(
     return rnnt_tokenizer.decode(tokens, vocabulary).strip(), tokens
 
 
+def masked_step(decode, last: mx.array, hidden: tuple, active: mx.array, blank: int):
+    """One greedy decode step that only takes effect while ``active`` (device-side, no
+    round trip): ``decode(last, hidden) -> (symbol, proposed state)``, then the symbol and
+    state are kept when the step emits (``active`` and not blank).
+
+    Returns:
+        ``(symbol or -1, last, hidden, emitted)``.
+    """
+    symbol, proposed = decode(last, hidden)
+    emit = active & (symbol != blank)
+    last = mx.where(emit, symbol, last)
+    hidden = tuple(mx.where(emit, new, old) for new, old in zip(proposed, hidden))
+    return mx.where(emit, symbol, -1), last, hidden, emit
+
+
 class _GreedyDecoder:
     """State of one greedy decode: last symbol, LSTM state, frame, symbols on this frame."""
 
@@ -95,13 +110,13 @@ class _GreedyDecoder:
         return mx.argmax(x, axis=-1).reshape(-1).astype(mx.int32)
 
     def _masked_step(self, last, hidden, frame, active):
-        """One decode step applied only while ``active``: ``(symbol or -1, last, hidden, active)``."""
-        prediction, proposed = self._step(last, hidden)
-        symbol = self._scores(frame, prediction)[0]
-        emit = active & (symbol != self.blank)
-        last = mx.where(emit, symbol, last)
-        hidden = tuple(mx.where(emit, new, old) for new, old in zip(proposed, hidden))
-        return mx.where(emit, symbol, -1), last, hidden, emit
+        """:func:`masked_step` on one frame: ``(symbol or -1, last, hidden, active)``."""
+
+        def decode(last, hidden):
+            prediction, proposed = self._step(last, hidden)
+            return self._scores(frame, prediction)[0], proposed
+
+        return masked_step(decode, last, hidden, active, self.blank)
 
     def run(self, window: int) -> list[int]:
         symbols: list[int] = []
@@ -120,12 +135,13 @@ class _GreedyDecoder:
             time += first
             self.last, self.hidden = scores[first], proposed
             symbols.append(scores[first])
-            time += self._chain(time, symbols)
+            self._chain(time, symbols)
+            time += 1  # after a blank or max_symbols symbols, as upstream
         return symbols
 
-    def _chain(self, time: int, symbols: list[int]) -> int:
-        """Further symbols on frame ``time`` after its first; returns 1 (the decode moves to
-        the next frame after a blank or ``max_symbols`` symbols)."""
+    def _chain(self, time: int, symbols: list[int]) -> None:
+        """Further symbols on frame ``time`` after its first, until a blank or
+        ``max_symbols`` symbols."""
         emitted = 1
         steps = 1
         frame = self.projected[:, time : time + 1]
@@ -144,7 +160,6 @@ class _GreedyDecoder:
                 symbols.extend(values[:count])
                 self.last, self.hidden = values[count - 1], hidden
                 emitted += count
-            if count < steps:  # a blank: next frame
-                return 1
+            if count < steps:  # a blank
+                return
             steps *= 2
-        return 1

@@ -24,6 +24,7 @@ from mlx_audio.stt.models.nemotron_asr import tokenizer as rnnt_tokenizer
 from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram_frames
 
 from ...model.parallel import on_side_stream
+from ..transcript import masked_step
 
 
 class MelFrontend:
@@ -137,12 +138,10 @@ class TranscriptState:
             active = mx.array(True)
             symbols = []
             for _ in range(1, steps):
-                symbol, proposed = self._decode(last, hidden, encoded)
-                emit = active & (symbol != blank)
-                last = mx.where(emit, symbol, last)
-                hidden = tuple(mx.where(emit, new, old) for new, old in zip(proposed, hidden))
-                symbols.append(mx.where(emit, symbol, -1))
-                active = emit
+                symbol, last, hidden, active = masked_step(
+                    lambda last, hidden: self._decode(last, hidden, encoded), last, hidden, active, blank
+                )
+                symbols.append(symbol)
             self._scheduled = hidden
             return mx.stack(symbols).reshape(-1)
 
