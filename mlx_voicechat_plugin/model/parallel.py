@@ -134,41 +134,23 @@ def split_rows(x: mx.array, product, weight_elements: int, *aligned: mx.array) -
 
     Returns the same array as ``product(x, *aligned)``.
     """
-    leading = x.shape[:-1]
-    rows = math.prod(leading)
+    rows = math.prod(x.shape[:-1])
     other = split_stream(rows * weight_elements) if rows >= 2 else None
     if other is None:
         return product(x, *aligned)
-    flat = [array.reshape(rows, array.shape[-1]) for array in (x, *aligned)]
-    half = rows // 2
-    _local.inside = True
-    try:
-        first = product(*(array[:half] for array in flat))
-        with mx.stream(other):
-            second = product(*(array[half:] for array in flat))
-    finally:
-        _local.inside = False
-    joined = mx.concatenate([first, second], axis=0)
-    return joined.reshape(*leading, joined.shape[-1])
+    return _row_pieces(x, product, [0, rows // 2, rows], other, aligned)
 
 
-def chunked_rows(x: mx.array, product, rows_per_chunk: int, weight_elements: int, *aligned: mx.array) -> mx.array:
-    """:func:`split_rows` for long inputs: the rows go in chunks of ``rows_per_chunk``,
-    alternately on the two CPU streams, so each chunk's intermediates stay in cache (and
-    small enough for the allocator to reuse) instead of streaming the whole input through
-    memory once per operation. Same result as ``product(x, *aligned)``.
-    """
+def _row_pieces(x: mx.array, product, bounds: list[int], other: mx.Stream | None, aligned) -> mx.array:
+    """``product`` on the row ranges ``bounds[i]:bounds[i + 1]`` of ``x`` (and ``aligned``),
+    odd pieces on ``other`` when given, joined back in order; nested products stay unsplit."""
     leading = x.shape[:-1]
     rows = math.prod(leading)
-    if rows <= rows_per_chunk:
-        return split_rows(x, product, weight_elements, *aligned)
-    other = split_stream(rows * weight_elements)
     flat = [array.reshape(rows, array.shape[-1]) for array in (x, *aligned)]
     pieces = []
     _local.inside = True
     try:
-        for index, start in enumerate(range(0, rows, rows_per_chunk)):
-            stop = min(start + rows_per_chunk, rows)
+        for index, (start, stop) in enumerate(zip(bounds, bounds[1:])):
             part = [array[start:stop] for array in flat]
             if other is not None and index % 2:
                 with mx.stream(other):
@@ -179,6 +161,19 @@ def chunked_rows(x: mx.array, product, rows_per_chunk: int, weight_elements: int
         _local.inside = False
     joined = mx.concatenate(pieces, axis=0)
     return joined.reshape(*leading, joined.shape[-1])
+
+
+def chunked_rows(x: mx.array, product, rows_per_chunk: int, weight_elements: int, *aligned: mx.array) -> mx.array:
+    """:func:`split_rows` for long inputs: the rows go in chunks of ``rows_per_chunk``,
+    alternately on the two CPU streams, so each chunk's intermediates stay in cache (and
+    small enough for the allocator to reuse) instead of streaming the whole input through
+    memory once per operation. Same result as ``product(x, *aligned)``.
+    """
+    rows = math.prod(x.shape[:-1])
+    if rows <= rows_per_chunk:
+        return split_rows(x, product, weight_elements, *aligned)
+    bounds = [*range(0, rows, rows_per_chunk), rows]
+    return _row_pieces(x, product, bounds, split_stream(rows * weight_elements), aligned)
 
 
 def store_transposed(linear: nn.Linear) -> None:
