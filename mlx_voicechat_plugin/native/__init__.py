@@ -98,8 +98,8 @@ def _load():
         except Exception as error:  # noqa: BLE001 - any failure means MLX's own operations
             _state["reason"] = str(error) if isinstance(error, BuildError) else f"{type(error).__name__}: {error}"
             _log.warning(
-                "mlx-voicechat-plugin: exact CPU product kernel unavailable (%s); using MLX's "
-                "products (identical results, slower)",
+                "mlx-voicechat-plugin: native CPU kernels unavailable (%s); using MLX's own "
+                "operations (identical results, slower)",
                 str(error).splitlines()[0],
             )
             return None
@@ -115,7 +115,7 @@ def available() -> bool:
 
 
 def status() -> str:
-    """One line: ``"in use"`` or why MLX's own products are used."""
+    """One line: ``"in use"`` or why MLX's own operations are used."""
     if _switched_off():
         return f"off ({NATIVE_ENV}=0)"
     module = _load()

@@ -110,5 +110,5 @@ class Stream:
         item = self._items.get()
         if item is self._DONE:
             job.result()  # re-raises the producer's error, if any
-            raise RuntimeError("the producer finished before producing every item")
+            raise RuntimeError(f"{job.name} finished before producing every item")
         return item
