@@ -1,8 +1,8 @@
 """The offline ``generate`` command (spec "CLI" and "Limits").
 
 ``mlx-voicechat generate`` and ``python -m mlx_vlm.generate --model <voicechat>`` run one
-offline turn: stdout is ``[user] <transcript>``, the assistant text, then
-``[function] <text>`` when non-empty; the answer is a 22050 Hz mono PCM16 WAV of
+offline turn: stdout is ``[user] <transcript>``, ``[assistant] <text>``, then
+``[function] <text>`` when non-empty (stderr says where the WAV was written); the answer is a 22050 Hz mono PCM16 WAV of
 ``frames * 1764`` samples, byte-identical for the same seed. Bad input fails with one line
 on stderr before the model is loaded and never creates or touches the output file.
 
@@ -103,7 +103,7 @@ def console_script() -> str:
 
 
 def expected_stdout(result) -> str:
-    lines = [f"[user] {result.user_transcript or ''}", result.text]
+    lines = [f"[user] {result.user_transcript or ''}", f"[assistant] {result.text}"]
     if result.function_text:
         lines.append(f"[function] {result.function_text}")
     return "\n".join(lines) + "\n"
@@ -504,7 +504,7 @@ def test_bad_input_fails_early_with_one_line(tmp_path, long_inputs, case, existi
     result = run("--model", tmp_path / "no-such-checkpoint", "--audio", source, *extra_args,
                  output=output)
 
-    assert result.code != 0
+    assert result.code == 2  # every bad input is a usage error (exit_codes)
     lines = result.err_lines()
     assert len(lines) == 1, result.err
     assert words in lines[0], lines[0]
@@ -532,7 +532,7 @@ def test_limits_are_inclusive(tmp_path, long_inputs, case, extra_args):
     output = tmp_path / "answer.wav"
     result = run("--model", tmp_path / "no-such-checkpoint", "--audio", source, *extra_args,
                  output=output)
-    assert result.code == 1
+    assert result.code == 2  # a --model that is not a checkpoint is a usage error
     assert len(result.err_lines()) == 1, result.err
     assert "no-such-checkpoint" in result.err and "Traceback" not in result.err
     assert not output.exists()

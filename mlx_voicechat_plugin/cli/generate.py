@@ -3,7 +3,10 @@
 Reached as ``mlx-voicechat generate ...`` and, through the mlx-vlm shim, as
 ``python -m mlx_vlm.generate --model <voicechat checkpoint> ...``. It accepts mlx-vlm's
 flag spellings (``--prompt`` with several words, ``--system``, ``--output``,
-``--max-tokens``) and ignores mlx-vlm sampling flags that do not apply, with a note.
+``--max-tokens``) and ignores mlx-vlm's other options (sampling, KV cache...) with a note
+(:mod:`.compat`); any other option is refused with the usage line. Input errors are
+reported before the model (and mlx-vlm) is imported; exit statuses follow
+:mod:`mlx_voicechat_plugin.exit_codes`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ import math
 import os
 import sys
 from pathlib import Path
+
+from ..exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STATUS_HELP, EXIT_USAGE
+from .compat import GENERATE_FLAGS, add_mlx_vlm_options, ignored_note
+from .output import labelled
 
 #: Most silence ``--extra-decoding-seconds`` may append (spec "Limits"; the runtime enforces
 #: the same cap, this only reports it with the flag's spelling before any work is done).
@@ -41,6 +48,7 @@ def build_parser(prog: str = "mlx-voicechat generate") -> argparse.ArgumentParse
             "any function-channel text, and writes the spoken answer as a 22050 Hz mono "
             "PCM16 WAV."
         ),
+        epilog=EXIT_STATUS_HELP,
     )
     parser.add_argument("--model", "-m", default=None,
                         help="checkpoint directory or downloaded hub id (default: the "
@@ -72,6 +80,7 @@ def build_parser(prog: str = "mlx-voicechat generate") -> argparse.ArgumentParse
                         help="diagnostic: recompute the LLM over the full history each frame")
     parser.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                         help="progress bar on stderr (auto: on a terminal, turns over 5 s)")
+    add_mlx_vlm_options(parser, GENERATE_FLAGS)
     return parser
 
 
@@ -87,7 +96,7 @@ def _system_prompt(args) -> str | None:
     return args.system
 
 
-def _check_arguments(args, unknown: list[str]) -> list[str]:
+def _check_arguments(args) -> list[str]:
     notes = []
     if args.image or args.video:
         raise UsageError(
@@ -104,8 +113,9 @@ def _check_arguments(args, unknown: list[str]) -> list[str]:
         raise UsageError("--output-audio PATH.wav is required (where to write the answer)")
     if args.max_tokens is not None:
         notes.append("note: -n/--max-tokens is ignored; the output length equals the input timeline")
-    if unknown:
-        notes.append("note: ignoring options that do not apply to this model: " + " ".join(unknown))
+    note = ignored_note(args)
+    if note:
+        notes.append(note)
     if (args.profile or args.max_streaming_seconds is not None) and not args.stream:
         raise UsageError("--profile and --max-streaming-seconds need --stream")
     extra = args.extra_decoding_seconds
@@ -140,54 +150,80 @@ def _progress_bar(mode: str, total_seconds: float):
 
 
 def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat generate") -> int:
-    """Run the command; returns the process exit status (0 ok, 1 runtime error, 2 usage)."""
+    """Run the command; returns the process exit status (:mod:`..exit_codes`: 0 ok,
+    1 runtime failure, 2 usage or input error, 130 interrupted)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
-    args, unknown = parser.parse_known_args(argv)
     try:
-        for note in _check_arguments(args, unknown):
+        args = parser.parse_args(argv)  # unknown options: usage line + exit 2
+    except SystemExit as exit_:
+        return EXIT_USAGE if exit_.code not in (0, None) else EXIT_OK
+    try:
+        for note in _check_arguments(args):
             print(note, file=sys.stderr)
         return _run(args)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted; no output written", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except (ValueError, OSError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return EXIT_FAILURE
+
+
+def _inputs(args):
+    """Validate the input file, output path and ``--model`` before any heavy import.
+
+    Returns ``(waveform, output_path, model_path or None)``.
+
+    Raises:
+        UsageError: the input is missing or not usable audio, the output path is not a
+            writable ``.wav``, or ``--model`` is not a VoiceChat checkpoint.
+    """
+    from ..runtime.audio_io import AudioInputError, check_wav_output_path
+    from ..runtime.waveform import prepare_waveform
+
+    try:
+        output = check_wav_output_path(args.output_audio)
+        # The input is read and validated before the model is looked at: bad input costs nothing.
+        waveform = prepare_waveform(
+            args.audio[0], sample_rate=16_000, frame_samples=1280,
+            extra_decoding_seconds=args.extra_decoding_seconds,
+        )
+    except AudioInputError as error:
+        raise UsageError(str(error)) from None
+    if args.model is None:
+        return waveform, output, None
+    from ..loading import CheckpointError, resolve_checkpoint
+
+    try:
+        return waveform, output, resolve_checkpoint(args.model)
+    except CheckpointError as error:
+        raise UsageError(str(error)) from None
 
 
 def _run(args) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from ..runtime.audio_io import check_wav_output_path, write_wav_pcm16
-    from ..runtime.offline import prepare_waveform
-
     system_prompt = _system_prompt(args)
-    output = check_wav_output_path(args.output_audio)
-    # Validate the input before loading anything: bad input costs nothing.
-    waveform = prepare_waveform(
-        args.audio[0], sample_rate=16_000, frame_samples=1280,
-        extra_decoding_seconds=args.extra_decoding_seconds,
-    )
+    waveform, output, model_path = _inputs(args)
     from ..loading import load
+    from ..runtime.audio_io import write_wav_pcm16
 
-    if args.model is None:
+    if model_path is None:
         from ..demo import default_checkpoint
 
         model_path = default_checkpoint()
         print(f"[model] built-in demo checkpoint (random weights): {model_path}", file=sys.stderr)
-    else:
-        model_path = args.model
     model, tokenizer = load(model_path)
 
     if args.stream:
         from .stream import run_stream
 
         samples = run_stream(model, tokenizer, waveform, args, system_prompt)
-        write_wav_pcm16(output, samples, model.config.output_sample_rate)
-        return 0
+        _write_answer(write_wav_pcm16, output, samples, model.config.output_sample_rate)
+        return EXIT_OK
 
     session = model.create_session(tokenizer)
     bar = _progress_bar(args.progress, waveform.shape[0] / 16_000)
@@ -210,9 +246,16 @@ def _run(args) -> int:
     finally:
         if bar is not None:
             bar.close()
-    print(f"[user] {result.user_transcript or ''}")
-    print(result.text)
+    print(labelled("user", result.user_transcript or "", sys.stdout))
+    print(labelled("assistant", result.text, sys.stdout))
     if result.function_text:
-        print(f"[function] {result.function_text}")
-    write_wav_pcm16(output, result.audio, result.sample_rate)
-    return 0
+        print(labelled("function", result.function_text, sys.stdout))
+    _write_answer(write_wav_pcm16, output, result.audio, result.sample_rate)
+    return EXIT_OK
+
+
+def _write_answer(write, output: Path, samples, sample_rate: int) -> None:
+    """Write the answer WAV and say where (stderr: stdout keeps the text lines)."""
+    path = write(output, samples, sample_rate)
+    seconds = samples.shape[0] / sample_rate
+    print(f"[audio] wrote {path} ({seconds:.2f} s, {sample_rate} Hz mono PCM16)", file=sys.stderr)

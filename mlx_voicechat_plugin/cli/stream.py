@@ -1,7 +1,7 @@
 """``generate --stream``: drive the online session frame by frame (spec "Online session").
 
 Pushes the input plus the extra silence in 80 ms frames, prints the assistant text as
-frames produce it, then ``[user]`` and ``[function]`` lines, returns the concatenated
+frames produce it (an ``[assistant]`` line), then ``[user]`` and ``[function]`` lines, returns the concatenated
 audio, and with ``--profile`` prints the summary JSON after dropping 5 cold frames.
 """
 
@@ -11,6 +11,8 @@ import json
 import sys
 
 import numpy as np
+
+from .output import for_stream, labelled
 
 COLD_FRAMES = 5
 
@@ -42,7 +44,9 @@ def run_stream(model, tokenizer, waveform: np.ndarray, args, system_prompt: str 
             if event.kind == "audio":
                 audio.append(event.samples)
             elif event.kind == "assistant_text_delta":
-                sys.stdout.write(event.delta)
+                if not printed:
+                    sys.stdout.write("[assistant] ")
+                sys.stdout.write(for_stream(event.delta, sys.stdout))
                 sys.stdout.flush()
                 printed = True
             elif event.kind == "user_transcript_delta":
@@ -57,9 +61,9 @@ def run_stream(model, tokenizer, waveform: np.ndarray, args, system_prompt: str 
     finally:
         if printed:
             sys.stdout.write("\n")
-    print(f"[user] {transcript}")
+    print(labelled("user", transcript, sys.stdout))
     if function:
-        print(f"[function] {function}")
+        print(labelled("function", function, sys.stdout))
     if args.profile:
         print(json.dumps(session.profile.summary(drop_first=COLD_FRAMES), indent=2))
     return np.concatenate(audio) if audio else np.zeros(0, dtype=np.float32)

@@ -1,6 +1,6 @@
 """Client failures, each reported as one line and a non-zero exit status.
 
-Exit statuses (both clients):
+Exit statuses (both clients; the package-wide table is :mod:`mlx_voicechat_plugin.exit_codes`):
 
 * ``0`` -- the turn finished: ``response.done`` arrived and the server closed with 1000;
 * ``1`` -- a runtime failure (refused or dropped connection, an ``error`` event, auth,
@@ -12,15 +12,15 @@ Exit statuses (both clients):
 
 from __future__ import annotations
 
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-EXIT_BUSY = 3
-EXIT_INTERRUPTED = 130
-#: ``--help`` epilog of the clients, listing the statuses above.
-EXIT_STATUS_HELP = (
-    f"exit status: {EXIT_OK} done, {EXIT_FAILURE} failure, {EXIT_USAGE} usage error, "
-    f"{EXIT_BUSY} server busy (retry later), {EXIT_INTERRUPTED} interrupted"
+from ..exit_codes import (  # noqa: F401 - re-exported for the clients
+    CLIENT_EXIT_STATUS_HELP as EXIT_STATUS_HELP,
+)
+from ..exit_codes import (
+    EXIT_BUSY,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,  # noqa: F401 - re-exported for the clients
+    EXIT_OK,  # noqa: F401 - re-exported for the clients
+    EXIT_USAGE,
 )
 
 
