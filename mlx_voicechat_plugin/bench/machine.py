@@ -7,9 +7,67 @@ import platform
 import resource
 
 
+def instruction_set(machine: str, flags: set[str]) -> str:
+    """The widest vector instruction set of a CPU, named as compilers do.
+
+    Args:
+        machine: ``platform.machine()`` (``x86_64``, ``AMD64``, ``aarch64``, ``arm64``...).
+        flags: the CPU's feature flags (``/proc/cpuinfo`` ``flags`` on x86, ``Features``
+            on arm64; empty when unknown).
+
+    Returns:
+        e.g. ``"x86-64-v4 (AVX-512)"``, ``"x86-64-v3 (AVX2)"``, ``"x86-64-v2 (SSE4.2)"``,
+        ``"x86-64 (SSE2)"``, ``"arm64 (NEON)"`` / ``"arm64 (NEON, SVE)"``, or the machine name.
+        Levels follow the x86-64 psABI micro-architecture levels.
+    """
+    name = machine.lower()
+    if name in ("x86_64", "amd64", "x64"):
+        if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= flags:
+            return "x86-64-v4 (AVX-512)"
+        if {"avx2", "fma", "bmi2"} <= flags:
+            return "x86-64-v3 (AVX2)"
+        if {"sse4_2", "ssse3", "popcnt"} <= flags:
+            return "x86-64-v2 (SSE4.2)"
+        return "x86-64 (SSE2)"
+    if name in ("aarch64", "arm64"):
+        return "arm64 (NEON, SVE)" if "sve" in flags else "arm64 (NEON)"
+    return machine or "unknown"
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from ``/proc/cpuinfo`` (empty set where it is unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_layer_status() -> str:
+    """The CPU-acceleration layer's own status line, or the native kernels' where the
+    layer (``mlx_voicechat_plugin.accel``) is not part of this version."""
+    import importlib
+
+    try:
+        accel = importlib.import_module("mlx_voicechat_plugin.accel")
+    except ImportError:
+        accel = None
+    status = getattr(accel, "status", None)
+    if callable(status):
+        try:
+            return str(status())
+        except Exception as error:  # a status line must not stop a benchmark
+            return f"unknown ({type(error).__name__}: {error})"
+    return f"native kernels: {_native_status()}"
+
+
 def describe() -> dict:
-    """CPU model, core count, memory, Python/MLX versions, and whether the native CPU kernels
-    (:mod:`mlx_voicechat_plugin.native`) are in use."""
+    """CPU model, instruction set, core count, memory, Python/MLX versions, the default
+    device, and the CPU-acceleration layer's status."""
     import mlx.core as mx
 
     cpu = platform.processor() or platform.machine()
@@ -34,7 +92,9 @@ def describe() -> dict:
         "python": platform.python_version(),
         "mlx": mx.__version__,
         "device": str(mx.default_device()),
+        "instruction_set": instruction_set(platform.machine(), cpu_flags()),
         "native_kernels": _native_status(),
+        "cpu_layer": cpu_layer_status(),
     }
 
 

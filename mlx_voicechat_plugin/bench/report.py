@@ -108,3 +108,33 @@ def plot(results: dict, path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def machine_line(machine: dict) -> str:
+    """One line naming the machine: CPU, instruction set, cores, memory, versions, device, CPU layer."""
+    return (
+        f"Machine: {machine['cpu']} ({machine.get('instruction_set', 'instruction set unknown')}), "
+        f"{machine['cores']} cores, {machine['memory_gib']} GiB, {machine['platform']}, "
+        f"Python {machine['python']}, MLX {machine['mlx']} ({machine['device']}); "
+        f"CPU layer: {machine.get('cpu_layer', machine.get('native_kernels', 'unknown'))}."
+    )
+
+
+def graph_table(graph: dict) -> str:
+    """Per streamed frame: primitives, host evaluations and weight bytes, ours vs upstream."""
+    lines = [
+        "| checkpoint | frames | ours primitives/frame (max) | upstream primitives/frame (max) | ours / upstream "
+        "| ours evaluations/frame (max) | upstream evaluations/frame (max) | ours weight MB/frame "
+        "| upstream weight MB/frame | ours / upstream tables MB |",
+        "|---|---:|---:|---:|---:|---|---|---:|---:|---|",
+    ]
+    for name, row in graph.items():
+        ours, up = row["ours"], row["upstream"]
+        lines.append(
+            f"| {name} | {ours['frames']} | {ours['primitives']:.0f} ({ours['primitives_max']}) | "
+            f"{up['primitives']:.0f} ({up['primitives_max']}) | {row['primitives_ratio']:.2f} | "
+            f"{ours['evaluations']:.1f} ({ours['evaluations_max']}) | {up['evaluations']:.1f} ({up['evaluations_max']}) | "
+            f"{ours['weight_bytes'] / 1e6:.1f} | {up['weight_bytes'] / 1e6:.1f} | "
+            f"{ours['table_bytes'] / 1e6:.1f} / {up['table_bytes'] / 1e6:.1f} |"
+        )
+    return "\n".join(lines)

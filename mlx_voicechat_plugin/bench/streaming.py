@@ -141,3 +141,55 @@ def run(ours, tokenizer, upstream, processor, samples: np.ndarray, repeats: int)
         "ratio_mean": ours_wall["mean_ms"] / upstream_wall["mean_ms"],
         "profiled_speedup_mean": up_stats["total"]["mean_ms"] / ours_stats["total"]["mean_ms"],
     }
+
+
+def _counted(push, samples, to_input, model, frames: int) -> dict:
+    """Mean :class:`~.graph.FrameCount` of ``frames`` one-frame calls after the cold ones."""
+    from .graph import GraphCounter
+
+    counts = []
+    with GraphCounter(model) as counter:
+        for index, start in enumerate(range(0, samples.shape[0] - FRAME + 1, FRAME)):
+            if index >= COLD_FRAMES + frames:
+                break
+            push(to_input(samples[start : start + FRAME]))
+            count = counter.frame()
+            if index >= COLD_FRAMES:
+                counts.append(count)
+    by_primitive: dict = {}
+    for count in counts:
+        for name, value in count.by_primitive.items():
+            by_primitive[name] = by_primitive.get(name, 0) + value / len(counts)
+    return {
+        "frames": len(counts),
+        "primitives": float(np.mean([c.primitives for c in counts])),
+        "primitives_max": int(max(c.primitives for c in counts)),
+        "evaluations": float(np.mean([c.evaluations for c in counts])),
+        "evaluations_max": int(max(c.evaluations for c in counts)),
+        "weight_bytes": float(np.mean([c.weight_bytes for c in counts])),
+        "table_bytes": float(np.mean([c.table_bytes for c in counts])),
+        "by_primitive": dict(sorted(by_primitive.items(), key=lambda item: -item[1])),
+    }
+
+
+def graph_counts(ours, tokenizer, upstream, processor, samples: np.ndarray, frames: int = 10) -> dict:
+    """Per-frame primitives, host evaluations and weight bytes of ours and upstream.
+
+    Counts ``frames`` frames after the :data:`COLD_FRAMES` cold ones with
+    :class:`~.graph.GraphCounter` (untimed: walking the graph costs time).
+
+    Returns:
+        ``{"ours": {...}, "upstream": {...}, "primitives_ratio": ours / upstream}``.
+    """
+    import mlx.core as mx
+
+    session = ours.create_streaming_session(processor=tokenizer, seed=0, profile=False)
+    our_counts = _counted(session.push_audio, samples, lambda chunk: chunk, ours, frames)
+    session.cancel()
+    up_session = upstream.create_session(processor).create_streaming_session(seed=0, profile=False)
+    up_counts = _counted(up_session.push_audio, samples, mx.array, upstream, frames)
+    return {
+        "ours": our_counts,
+        "upstream": up_counts,
+        "primitives_ratio": our_counts["primitives"] / up_counts["primitives"],
+    }
