@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .presets import PRESETS, config_for
@@ -12,6 +15,9 @@ from .presets import PRESETS, config_for
 #: Shard size limit for ``model-0000N-of-0000M.safetensors`` (bytes); small enough that
 #: the ``medium`` preset is split like the published multi-shard checkpoints.
 SHARD_BYTES = 64 * 1024 * 1024
+#: Shard size limit of the ``full`` preset (bytes): each shard is computed, written and
+#: freed before the next, so this bounds the builder's working set.
+FULL_SHARD_BYTES = 2 * 1024**3
 
 
 def build_checkpoint(
@@ -21,6 +27,7 @@ def build_checkpoint(
     bits: int | None = None,
     seed: int = 0,
     overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Build a random-weight NemotronLabs VoiceChat checkpoint.
 
@@ -31,10 +38,13 @@ def build_checkpoint(
 
     Args:
         output_dir: where to write; created. Written atomically (temp dir + rename).
-        preset: ``tiny``, ``small`` or ``medium`` (see :mod:`.presets`).
+        preset: ``tiny``, ``small``, ``medium``, ``real-layout`` or ``full`` (see
+            :mod:`.presets`).
         bits: ``4`` or ``8`` quantizes the LLM parts (group size 64), ``None`` keeps bf16.
         seed: MLX RNG seed for the weights (tokenizers are deterministic).
         overwrite: replace an existing directory.
+        progress: called with one line per step (default for ``full``: print to stderr
+            with the elapsed time; other presets: silent).
 
     Returns:
         The checkpoint path.
@@ -65,29 +75,48 @@ def build_checkpoint(
         staging.chmod(0o755)
     except OSError as error:
         raise ValueError(f"cannot create {output}: {error.strerror or error}") from None
+    spec = PRESETS[preset]
+    if progress is None:
+        progress = _stderr_progress() if preset == "full" else (lambda line: None)
     try:
-        spec = PRESETS[preset]
-        text_vocab = tokenizers.build_text_tokenizer(staging, spec.text_vocab_size)
-        rnnt_vocabulary = tokenizers.build_rnnt_vocabulary(staging, spec.rnnt_vocab_size)
+        if spec.tokenizer == "large":
+            text_vocab = tokenizers.build_large_tokenizer(staging, spec.text_vocab_size)
+        else:
+            text_vocab = tokenizers.build_text_tokenizer(staging, spec.text_vocab_size)
+        rnnt_vocabulary = tokenizers.build_rnnt_vocabulary(
+            staging, spec.rnnt_vocab_size, extended=spec.rnnt_vocab_size > 512
+        )
         config = config_for(spec, text_vocab, rnnt_vocabulary)
+        progress(f"tokenizers written ({text_vocab} text tokens, {len(rnnt_vocabulary)} RNNT pieces)")
 
         from tokenizers import Tokenizer
 
         vocabulary = Tokenizer.from_file(str(staging / "tokenizer.json")).get_vocab()
         mx.random.seed(seed)
+        # Parameters stay lazy (nothing is computed) until their shard is written.
         model = Model(ModelConfig.from_dict(config))
         weights.randomize(model, vocabulary, config)
         weights.cast_for_storage(model)
         weights.set_codec_silence(model)
         if bits is not None:
-            weights.quantize_llm(model, bits)
-            quantization = {"group_size": 64, "bits": bits, "mode": "affine"}
+            head_bits = spec.head_bits if spec.head_bits is not None else bits
+            chosen = weights.quantize_llm(model, bits, head_bits=head_bits)
+            if spec.quantization_form == "modules":
+                quantization = {"group_size": 64, "bits": bits, **chosen}
+            else:
+                quantization = {"group_size": 64, "bits": bits, "mode": "affine"}
             config["quantization"] = quantization
             config["quantization_config"] = dict(quantization)
         stored = weights.to_checkpoint_layout(dict(tree_flatten(model.parameters())), config)
-        _write_shards(staging, stored)
+        del model
+        if spec.int64_buffers:
+            stored = weights.widen_integer_buffers(stored)
+        limit = FULL_SHARD_BYTES if preset == "full" else SHARD_BYTES
+        _write_shards(staging, stored, limit, progress)
+        # The v2 converter writes ``time_step_limit: [0.0, Infinity]`` (non-standard JSON
+        # that Python's json reads); only that preset field allows it.
         (staging / "config.json").write_text(
-            json.dumps(config, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+            json.dumps(config, indent=2, ensure_ascii=False, allow_nan=spec.converter_extras) + "\n"
         )
         (staging / "README.md").write_text(
             f"# Demo NemotronLabs VoiceChat checkpoint ({preset}, "
@@ -133,25 +162,61 @@ def _check_replaceable(output: Path, overwrite: bool) -> None:
         raise ValueError(f"refusing to replace {output}: it is not a demo checkpoint built by this tool")
 
 
-def _write_shards(folder: Path, stored: dict) -> None:
+def shard_plan(sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """Group tensor names (sorted) into shards of at most ``limit`` bytes each.
+
+    A tensor larger than ``limit`` gets a shard of its own.
+
+    Args:
+        sizes: ``{name: bytes}``.
+        limit: shard size limit in bytes (> 0).
+
+    Returns:
+        The names of each shard, in file order.
+    """
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key in sorted(sizes):
+        if size and size + sizes[key] > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += sizes[key]
+    return shards
+
+
+def _write_shards(
+    folder: Path, stored: dict, limit: int = SHARD_BYTES, progress: Callable[[str], None] = lambda line: None
+) -> None:
+    """Write ``stored`` as ``model-*.safetensors`` shards plus the index.
+
+    Each shard's tensors are computed (they may be lazy), written and released before the
+    next shard, so at most one shard is resident. ``stored`` is emptied.
+    """
     import mlx.core as mx
 
-    shards: list[dict] = [{}]
-    size = 0
-    for key in sorted(stored):
-        value = stored[key]
-        if size and size + value.nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][key] = value
-        size += value.nbytes
+    plan = shard_plan({key: value.nbytes for key, value in stored.items()}, limit)
     weight_map = {}
     total = 0
-    for index, shard in enumerate(shards, start=1):
-        name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+    for index, names in enumerate(plan, start=1):
+        name = f"model-{index:05d}-of-{len(plan):05d}.safetensors"
+        shard = {key: stored.pop(key) for key in names}
         mx.save_safetensors(str(folder / name), shard, metadata={"format": "mlx"})
-        for key, value in shard.items():
+        size = sum(value.nbytes for value in shard.values())
+        del shard
+        for key in names:
             weight_map[key] = name
-            total += value.nbytes
+        total += size
+        progress(f"wrote {name} ({size / 1e9:.2f} GB, {len(names)} tensors)")
     index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2) + "\n")
+
+
+def _stderr_progress() -> Callable[[str], None]:
+    """A progress callback printing ``[elapsed s] line`` to stderr."""
+    start = time.monotonic()
+
+    def report(line: str) -> None:
+        print(f"[{time.monotonic() - start:6.1f} s] {line}", file=sys.stderr, flush=True)
+
+    return report

@@ -42,3 +42,29 @@ SENTENCES = (
 def corpus_lines(repeats: int = 4) -> list[str]:
     """Return the corpus as a list of lines (each sentence ``repeats`` times)."""
     return [sentence for _ in range(repeats) for sentence in SENTENCES]
+
+
+_ONSETS = ("b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st", "tr", "pl", "gr")
+_NUCLEI = ("a", "e", "i", "o", "u", "ai", "ea", "ou")
+_CODAS = ("", "n", "r", "s", "t", "nd", "ng", "st")
+
+
+def extended_lines(words: int = 6000, per_line: int = 8) -> list[str]:
+    """The corpus plus deterministic pseudo-English words (two or three syllables).
+
+    Enough distinct character sequences for a 1,024-piece SentencePiece BPE vocabulary (the
+    published RNNT size), which the 37 sentences alone cannot support.
+
+    Args:
+        words: number of pseudo-words to add.
+        per_line: pseudo-words per line.
+    """
+    syllables = [o + n + c for o in _ONSETS for n in _NUCLEI for c in _CODAS]
+    made = []
+    for index in range(words):
+        first = syllables[(index * 7919) % len(syllables)]
+        second = syllables[(index * 104729 + 13) % len(syllables)]
+        third = syllables[(index * 1299709 + 7) % len(syllables)] if index % 3 == 0 else ""
+        made.append(first + second + third)
+    lines = [" ".join(made[start : start + per_line]) for start in range(0, len(made), per_line)]
+    return corpus_lines() + lines

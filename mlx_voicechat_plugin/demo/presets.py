@@ -6,16 +6,36 @@ Gemma-3 style EAR-TTS with sliding and global layers, 31 codebooks of 1024 codes
 rates 7/7/9 with an iSTFT hop of 4 so one code frame is 1764 samples) and only shrinks
 widths and depths. ``medium`` is sized so per-frame cost is dominated by the networks
 (encoder 256 x 4, LLM 512 x 8, TTS 256 x 6), about 43 M parameters.
+
+``real-layout`` keeps everything of the published model except widths: the real depths
+(24 encoder layers, the 56-layer Nemotron-H pattern, 28 EAR-TTS layers), head dimensions
+(LLM 128, EAR-TTS 72), Mamba state 128 in 8 groups, the GQA ratio 5:1, int64 buffers, the
+131,072-token tokenizer with 1,000 special tokens, the per-module quantization form and the
+v2 converter's config extras. ``full`` is the published configuration at full size
+(:data:`FULL_VALUES` lists the public sources' values).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: Nemotron-H layer pattern of the published language model (56 layers: 27 Mamba2 ``M``,
+#: 4 attention ``*``, 25 MLP ``-``).
+REAL_LLM_PATTERN = "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"
+#: Value the v2 converter writes as ``mlx_runtime_config_version``.
+RUNTIME_CONFIG_VERSION = 2
+#: ``source_revision`` written by the demo builder (no real source commit exists).
+DEMO_SOURCE_REVISION = "demo-random-weights"
+
 
 @dataclass(frozen=True)
 class Preset:
-    """Widths and depths of one demo checkpoint (all other settings are the real ones)."""
+    """Widths and depths of one demo checkpoint (all other settings are the real ones).
+
+    Fields left at ``None`` derive from the widths as the small presets always did
+    (``llm_head_dim = llm_width // llm_attention_heads`` etc.); the ``real-layout`` and
+    ``full`` presets set them to the published values.
+    """
 
     name: str
     text_vocab_size: int
@@ -34,13 +54,42 @@ class Preset:
     tts_layers: int
     tts_heads: int
     tts_sliding_window: int
-    tts_sliding_window_pattern: int
+    #: ``None`` leaves ``sliding_window_pattern`` out of the config (upstream default 6).
+    tts_sliding_window_pattern: int | None
     mog_predictions: int
     mog_low_rank: int
     mog_layers: int
     latent_size: int
     codec_channels: int
     codec_latent: int
+    llm_head_dim: int | None = None
+    llm_kv_heads: int | None = None
+    mamba_head_dim: int | None = None
+    ssm_state_size: int = 16
+    mamba_groups: int = 1
+    tts_head_dim: int | None = None
+    tts_kv_heads: int | None = None
+    tts_intermediate: int | None = None
+    char_heads: int = 2
+    char_head_dim: int | None = None
+    char_intermediate: int | None = None
+    mog_intermediate: int | None = None
+    rnnt_pred_width: int | None = None
+    #: ``"trained"``: a byte-level BPE trained on the demo corpus (specials 0..15);
+    #: ``"large"``: exactly ``text_vocab_size`` tokens, 1,000 specials and a split +
+    #: byte-level pre-tokenizer like the published tokenizer (see :mod:`.tokenizers`).
+    tokenizer: str = "trained"
+    #: Write the integer buffers as int64 (as the NeMo export does) instead of int32.
+    int64_buffers: bool = False
+    #: Quantization config form: ``"flat"`` (``{group_size, bits, mode}``) or
+    #: ``"modules"`` (the v2 converter's per-module dict: one entry per quantized module).
+    quantization_form: str = "flat"
+    #: Bits for the token embedding and the two heads when quantized (``None``: the
+    #: requested bits); a different value gives a mixed-bits checkpoint.
+    head_bits: int | None = None
+    #: Add ``mlx_runtime_config_version``, ``source_revision`` and the text config's
+    #: ``time_step_limit: [0.0, Infinity]``, as the published v2 conversion does.
+    converter_extras: bool = False
 
 
 PRESETS: dict[str, Preset] = {
@@ -122,6 +171,138 @@ PRESETS: dict[str, Preset] = {
         codec_channels=64,
         codec_latent=128,
     ),
+    "real-layout": Preset(
+        name="real-layout",
+        text_vocab_size=131072,
+        rnnt_vocab_size=1024,
+        encoder_width=64,
+        encoder_layers=24,
+        encoder_heads=8,
+        subsampling_channels=16,
+        llm_width=64,
+        llm_pattern=REAL_LLM_PATTERN,
+        llm_mamba_heads=8,
+        llm_attention_heads=5,
+        llm_mlp_width=256,
+        rnnt_width=32,
+        tts_width=64,
+        tts_layers=28,
+        tts_heads=2,
+        tts_sliding_window=7500,
+        tts_sliding_window_pattern=None,
+        mog_predictions=1024,
+        mog_low_rank=64,
+        mog_layers=3,
+        latent_size=16,
+        codec_channels=8,
+        codec_latent=16,
+        llm_head_dim=128,
+        llm_kv_heads=1,
+        mamba_head_dim=8,
+        ssm_state_size=128,
+        mamba_groups=8,
+        tts_head_dim=72,
+        tts_kv_heads=2,
+        char_head_dim=72,
+        char_intermediate=256,
+        tokenizer="large",
+        int64_buffers=True,
+        quantization_form="modules",
+        head_bits=8,
+        converter_extras=True,
+    ),
+    "full": Preset(
+        name="full",
+        text_vocab_size=131072,
+        rnnt_vocab_size=1024,
+        encoder_width=1024,
+        encoder_layers=24,
+        encoder_heads=8,
+        subsampling_channels=256,
+        llm_width=4480,
+        llm_pattern=REAL_LLM_PATTERN,
+        llm_mamba_heads=128,
+        llm_attention_heads=40,
+        llm_mlp_width=15680,
+        rnnt_width=640,
+        tts_width=1152,
+        tts_layers=28,
+        tts_heads=16,
+        tts_sliding_window=7500,
+        tts_sliding_window_pattern=None,
+        mog_predictions=1024,
+        mog_low_rank=64,
+        mog_layers=3,
+        latent_size=512,
+        codec_channels=384,
+        codec_latent=512,
+        llm_head_dim=128,
+        llm_kv_heads=8,
+        mamba_head_dim=80,
+        ssm_state_size=128,
+        mamba_groups=8,
+        tts_head_dim=72,
+        tts_kv_heads=16,
+        char_heads=16,
+        char_head_dim=72,
+        char_intermediate=4608,
+        tokenizer="large",
+        int64_buffers=True,
+        quantization_form="modules",
+        converter_extras=True,
+    ),
+}
+
+#: Published values the ``full`` preset reproduces, by config path (sources: mlx-vlm's
+#: converter tests and defaults, the Rust port's documentation, NeMo recipes; see
+#: issue #13). ``tests/test_demo_checkpoint.py`` checks the built config against it.
+FULL_VALUES: dict[str, object] = {
+    "audio_config.encoder.n_layers": 24,
+    "audio_config.encoder.d_model": 1024,
+    "audio_config.encoder.n_heads": 8,
+    "audio_config.encoder.att_context_size": [[70, 0]],
+    "audio_config.output_dim": 4480,
+    "audio_config.decoder.pred_hidden": 640,
+    "audio_config.decoder.pred_rnn_layers": 2,
+    "audio_config.joint.joint_hidden": 640,
+    "audio_config.joint.num_classes": 1024,
+    "rnnt_blank_id": 1024,
+    "text_config.hidden_size": 4480,
+    "text_config.intermediate_size": 15680,
+    "text_config.num_attention_heads": 40,
+    "text_config.num_key_value_heads": 8,
+    "text_config.head_dim": 128,
+    "text_config.mamba_num_heads": 128,
+    "text_config.mamba_head_dim": 80,
+    "text_config.ssm_state_size": 128,
+    "text_config.n_groups": 8,
+    "text_config.conv_kernel": 4,
+    "text_config.vocab_size": 131072,
+    "text_config.num_hidden_layers": 56,
+    "text_config.hybrid_override_pattern": REAL_LLM_PATTERN,
+    "tts_config.hidden_size": 1152,
+    "tts_config.intermediate_size": 4608,
+    "tts_config.num_hidden_layers": 28,
+    "tts_config.num_attention_heads": 16,
+    "tts_config.head_dim": 72,
+    "tts_config.sliding_window": 7500,
+    "tts_config.latent_size": 512,
+    "tts_config.character_encoder.hidden_size": 1152,
+    "tts_config.character_encoder.num_hidden_layers": 1,
+    "tts_config.mog_head.intermediate_size": 4608,
+    "tts_config.mog_head.low_rank": 64,
+    "tts_config.mog_head.num_layers": 3,
+    "tts_config.mog_head.num_predictions": 1024,
+    "codec_config.base_channels": 384,
+    "codec_config.channel_multipliers": [1, 2, 4],
+    "codec_config.downsample_rates": [7, 7, 9],
+    "codec_config.blocks_per_stage": 3,
+    "codec_config.block_kernel_size": 7,
+    "codec_config.latent_dim": 512,
+    "codec_config.n_fft": 16,
+    "codec_config.hop_length": 4,
+    "codec_config.num_quantizers": 31,
+    "codec_config.codebook_size": 1024,
 }
 
 
@@ -137,9 +318,9 @@ def config_for(preset: Preset, text_vocab_size: int, rnnt_vocabulary: list[str])
         rnnt_vocabulary: the SentencePiece pieces (RNNT classes without blank).
     """
     p = preset
-    mamba_head_dim = p.llm_width // p.llm_mamba_heads
+    mamba_head_dim = p.mamba_head_dim or p.llm_width // p.llm_mamba_heads
     rnnt_classes = len(rnnt_vocabulary)
-    return {
+    config = {
         "model_type": "nemotron_voicechat",
         "architectures": ["NemotronVoiceChatForConditionalGeneration"],
         "text_config": {
@@ -150,20 +331,20 @@ def config_for(preset: Preset, text_vocab_size: int, rnnt_vocabulary: list[str])
             "num_hidden_layers": len(p.llm_pattern),
             "max_position_embeddings": 131072,
             "num_attention_heads": p.llm_attention_heads,
-            "num_key_value_heads": max(1, p.llm_attention_heads // 2),
+            "num_key_value_heads": p.llm_kv_heads or max(1, p.llm_attention_heads // 2),
             "attention_bias": False,
             "mamba_num_heads": p.llm_mamba_heads,
             "mamba_head_dim": mamba_head_dim,
             "mamba_proj_bias": False,
-            "ssm_state_size": 16,
+            "ssm_state_size": p.ssm_state_size,
             "conv_kernel": 4,
-            "n_groups": 1,
+            "n_groups": p.mamba_groups,
             "mlp_bias": False,
             "layer_norm_epsilon": 1e-5,
             "use_bias": False,
             "use_conv_bias": True,
             "hybrid_override_pattern": p.llm_pattern,
-            "head_dim": p.llm_width // p.llm_attention_heads,
+            "head_dim": p.llm_head_dim or p.llm_width // p.llm_attention_heads,
         },
         "audio_config": {
             "preprocessor": {
@@ -201,7 +382,7 @@ def config_for(preset: Preset, text_vocab_size: int, rnnt_vocabulary: list[str])
                 "xscaling": False,
             },
             "decoder": {
-                "pred_hidden": p.rnnt_width,
+                "pred_hidden": p.rnnt_pred_width or p.rnnt_width,
                 "pred_rnn_layers": 2,
                 "vocab_size": rnnt_classes,
                 "blank_as_pad": True,
@@ -210,7 +391,7 @@ def config_for(preset: Preset, text_vocab_size: int, rnnt_vocabulary: list[str])
                 "joint_hidden": p.rnnt_width,
                 "activation": "relu",
                 "encoder_hidden": p.encoder_width,
-                "pred_hidden": p.rnnt_width,
+                "pred_hidden": p.rnnt_pred_width or p.rnnt_width,
                 "num_classes": rnnt_classes,
             },
             "output_dim": p.llm_width,
@@ -218,11 +399,11 @@ def config_for(preset: Preset, text_vocab_size: int, rnnt_vocabulary: list[str])
         },
         "tts_config": {
             "hidden_size": p.tts_width,
-            "intermediate_size": 4 * p.tts_width,
+            "intermediate_size": p.tts_intermediate or 4 * p.tts_width,
             "num_hidden_layers": p.tts_layers,
             "num_attention_heads": p.tts_heads,
-            "num_key_value_heads": p.tts_heads,
-            "head_dim": p.tts_width // p.tts_heads,
+            "num_key_value_heads": p.tts_kv_heads or p.tts_heads,
+            "head_dim": p.tts_head_dim or p.tts_width // p.tts_heads,
             "sliding_window": p.tts_sliding_window,
             "sliding_window_pattern": p.tts_sliding_window_pattern,
             "latent_size": p.latent_size,
@@ -237,11 +418,11 @@ def config_for(preset: Preset, text_vocab_size: int, rnnt_vocabulary: list[str])
             "use_audio_prompt_frozen_projection": True,
             "character_encoder": {
                 "hidden_size": p.tts_width,
-                "intermediate_size": 2 * p.tts_width,
+                "intermediate_size": p.char_intermediate or 2 * p.tts_width,
                 "num_hidden_layers": 1,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 2,
-                "head_dim": p.tts_width // 2,
+                "num_attention_heads": p.char_heads,
+                "num_key_value_heads": p.char_heads,
+                "head_dim": p.char_head_dim or p.tts_width // p.char_heads,
                 "rms_norm_eps": 1e-6,
                 "query_pre_attn_scalar": 256.0,
                 "attn_logit_softcapping": 50.0,
@@ -249,7 +430,7 @@ def config_for(preset: Preset, text_vocab_size: int, rnnt_vocabulary: list[str])
                 "char_vocab_size": 257,
             },
             "mog_head": {
-                "intermediate_size": 4 * p.tts_width,
+                "intermediate_size": p.mog_intermediate or 4 * p.tts_width,
                 "low_rank": p.mog_low_rank,
                 "min_log_std": -4.0,
                 "num_layers": p.mog_layers,
@@ -286,3 +467,10 @@ def config_for(preset: Preset, text_vocab_size: int, rnnt_vocabulary: list[str])
         "speaker": "Aria",
         "rnnt_vocabulary": list(rnnt_vocabulary),
     }
+    if p.tts_sliding_window_pattern is None:
+        del config["tts_config"]["sliding_window_pattern"]
+    if p.converter_extras:
+        config["text_config"]["time_step_limit"] = [0.0, float("inf")]
+        config["mlx_runtime_config_version"] = RUNTIME_CONFIG_VERSION
+        config["source_revision"] = DEMO_SOURCE_REVISION
+    return config

@@ -232,15 +232,43 @@ def cast_for_storage(model) -> None:
     model.update(tree_unflatten(cast))
 
 
-def quantize_llm(model, bits: int, group_size: int = 64) -> None:
-    """Quantize the LLM parts (see :func:`is_quantized_llm_module`) in place."""
-    nn.quantize(
-        model,
-        group_size=group_size,
-        bits=bits,
-        class_predicate=lambda path, module: is_quantized_llm_module(path)
-        and hasattr(module, "to_quantized"),
-    )
+def quantize_llm(model, bits: int, group_size: int = 64, *, head_bits: int | None = None) -> dict:
+    """Quantize the LLM parts (see :func:`is_quantized_llm_module`) in place.
+
+    Args:
+        model: the upstream module tree (bf16 weights).
+        bits: bits of the mixer projections (4 or 8).
+        group_size: quantization group size (32, 64 or 128).
+        head_bits: bits of the token embedding and the two heads (default ``bits``); a
+            different value makes a mixed-bits checkpoint.
+
+    Returns:
+        ``{module path: {"group_size": g, "bits": b}}`` for every quantized module: the
+        per-module entries of the v2 converter's quantization dict.
+    """
+    heads = ("stt_model.embed_tokens", "stt_model.lm_head", "stt_model.function_head")
+    chosen: dict[str, dict] = {}
+
+    def predicate(path: str, module) -> bool | dict:
+        if not (is_quantized_llm_module(path) and hasattr(module, "to_quantized")):
+            return False
+        module_bits = head_bits if head_bits is not None and path in heads else bits
+        chosen[path] = {"group_size": group_size, "bits": module_bits}
+        return dict(chosen[path])
+
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+    return chosen
+
+
+def widen_integer_buffers(stored: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Return ``stored`` with its int32 buffers as int64, as the NeMo export writes them.
+
+    Quantized weights (uint32) and floating tensors are unchanged.
+    """
+    return {
+        key: value.astype(mx.int64) if value.dtype == mx.int32 else value
+        for key, value in stored.items()
+    }
 
 
 def to_checkpoint_layout(weights: dict[str, mx.array], config: dict) -> dict[str, mx.array]:
