@@ -39,7 +39,14 @@ class _Disconnected(Exception):
 
 
 class Connection:
-    """State of one accepted WebSocket."""
+    """State of one accepted WebSocket.
+
+    Dialect hooks (``server.openai.connection.OpenAIConnection`` overrides them):
+    :meth:`greeting`, :attr:`cancel_types`, :meth:`send_error` and :meth:`_dispatch`.
+    """
+
+    #: Messages that stop a running append at the next slice boundary.
+    cancel_types = CANCEL_TYPES
 
     def __init__(self, websocket: WebSocket, engine: RealtimeEngine, settings: ServerSettings):
         self.websocket = websocket
@@ -67,6 +74,10 @@ class Connection:
             await self.websocket.send_text(text)
         except (WebSocketDisconnect, RuntimeError, OSError) as error:
             raise _Disconnected() from error
+
+    def greeting(self) -> dict:
+        """The first event after accept."""
+        return protocol.session_created(self.session_id)
 
     async def send_error(self, code: str, message: str) -> None:
         await self.send(protocol.error_event(code, message))
@@ -103,7 +114,7 @@ class Connection:
                 except ProtocolError as error:
                     await self.inbox.put(("error", error))
                     continue
-                if message["type"] in CANCEL_TYPES:
+                if message["type"] in self.cancel_types:
                     self.pending_cancels += 1
                 await self.inbox.put(("message", message))
         except (WebSocketDisconnect, RuntimeError, OSError):
@@ -132,7 +143,7 @@ class Connection:
             return
         reader = asyncio.create_task(self._reader())
         try:
-            await self.send(protocol.session_created(self.session_id))
+            await self.send(self.greeting())
             while not self.finished:
                 remaining, reason = self._wait_budget()
                 try:
@@ -174,7 +185,7 @@ class Connection:
 
     async def _dispatch(self, message: dict) -> None:
         kind = message["type"]
-        if kind in CANCEL_TYPES:
+        if kind in self.cancel_types:
             self.pending_cancels -= 1
         if kind == "session.ping":
             await self.send({"type": "session.pong"})
