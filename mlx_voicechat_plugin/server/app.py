@@ -24,6 +24,8 @@ from starlette.websockets import WebSocket
 
 from .connection import Connection
 from .engine import RealtimeEngine
+from .openai import dialect as openai_dialect
+from .openai.connection import OpenAIConnection
 from .security import accepted_subprotocol, key_matches, origin_allowed, presented_key
 from .settings import ServerSettings
 
@@ -74,11 +76,18 @@ def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engin
             await _deny(websocket, 403, "this Origin is not allowed to open the realtime WebSocket")
             return
         offered = list(websocket.scope.get("subprotocols") or [])
-        if not key_matches(settings.api_key, presented_key(headers.get("authorization"), offered)):
+        try:  # the dialect is chosen per connection (docs/openai-realtime.md, "Selection")
+            use_openai = openai_dialect.wants_openai(websocket.query_params, offered)
+        except openai_dialect.DialectError as error:
+            await _deny(websocket, 400, str(error))
+            return
+        dialect = openai_dialect if use_openai else None
+        key = (dialect.presented_key if dialect else presented_key)(headers.get("authorization"), offered)
+        if not key_matches(settings.api_key, key):
             await _deny(websocket, 401, "missing or wrong API key (send Authorization: Bearer <key>)")
             return
-        await websocket.accept(subprotocol=accepted_subprotocol(offered))
-        await Connection(websocket, engine, settings).run()
+        await websocket.accept(subprotocol=(dialect.accepted_subprotocol if dialect else accepted_subprotocol)(offered))
+        await (OpenAIConnection if dialect else Connection)(websocket, engine, settings).run()
 
     @app.get(settings.path("/health"))
     async def health():

@@ -1,0 +1,242 @@
+"""One ``/v1/realtime`` connection speaking the OpenAI Realtime GA dialect.
+
+A subclass of :class:`server.connection.Connection`: the reader task, the inbox, sending,
+the idle / ``session.update`` clocks, the slot and the close paths are the existing
+dialect's; this class replaces the greeting (a GA ``session.created``), the error shape and
+the dispatch. The model session opens at the first ``input_audio_buffer.append`` or
+``response.create`` (``instructions`` plus any text items created before then become the
+system prompt) and lives until the client disconnects (there is no end-of-session message in
+GA). Client audio is decoded and resampled to 16 kHz, then pushed in 1280-sample frames;
+each frame's model output goes through :class:`.timeline.Timeline`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import protocol
+from ..connection import Connection
+from . import session_config
+from .audio import AudioFormatError, InputAudio
+from .errors import SERVER_ERROR, RealtimeError, error_event
+from .session_config import SessionConfig
+from .timeline import Timeline, frames_from_events, rms
+
+FRAME_SAMPLES = protocol.FRAME_SAMPLES
+#: Silence the server feeds the model after ``response.create`` without turn detection (at
+#: most; the response usually ends first).
+MAX_FILL_SECONDS = 60.0
+_TEXT_CONTENT = {"input_text", "text", "output_text"}
+
+
+class OpenAIConnection(Connection):
+    """The GA dialect on one accepted WebSocket (see the module docstring)."""
+
+    cancel_types = frozenset()  # response.cancel is barge-in here, not the end of an append
+
+    def __init__(self, websocket, engine, settings):
+        super().__init__(websocket, engine, settings)
+        self.config = SessionConfig()
+        self.timeline = Timeline(self.config)
+        self.opened = False
+        self.prompt: str | None = None  # the system prompt in effect once opened
+        self.prompt_items: list[str] = []
+        self.input = InputAudio(self.config.input_format)
+        self.pending = np.zeros(0, np.float32)  # 16 kHz samples not yet a whole frame
+
+    # ------------------------------------------------------------------ shape
+    def greeting(self) -> dict:
+        return {"type": "session.created", "session": self._session()}
+
+    def _session(self) -> dict:
+        instructions = self.prompt if self.opened else self._prompt()
+        return session_config.session_object(self.config, self.session_id, self.settings.model_id, instructions)
+
+    async def send_error(self, code: str, message: str, param: str | None = None, event_id: str | None = None) -> None:
+        await self.send(error_event(code, message, param=param, event_id=event_id))
+
+    async def _send_all(self, events: list[dict]) -> None:
+        for event in events:
+            await self.send(event)
+
+    # ------------------------------------------------------------------ dispatch
+    async def _dispatch(self, message: dict) -> None:
+        client_event_id = message.get("event_id") if isinstance(message.get("event_id"), str) else None
+        handler = self._HANDLERS.get(message["type"])
+        try:
+            if handler is None:
+                raise RealtimeError(
+                    "invalid_value",
+                    f"unsupported event type {message['type'][:64]!r}; supported: {', '.join(sorted(self._HANDLERS))}",
+                    param="type",
+                )
+            await handler(self, message)
+        except RealtimeError as error:
+            await self.send(
+                error_event(error.code, error.message, param=error.param, event_id=client_event_id, error_type=error.error_type)
+            )
+
+    async def _session_update(self, message: dict) -> None:
+        config = session_config.apply_update(self.config, message.get("session"))
+        if config.input_format != self.config.input_format:
+            self.input = InputAudio(config.input_format)
+        self.config = config
+        self.timeline.config = config
+        self.configured = True
+        await self.send({"type": "session.updated", "session": self._session()})
+
+    def _prompt(self) -> str | None:
+        parts = ([self.config.instructions] if self.config.instructions else []) + self.prompt_items
+        return "\n".join(parts) if parts else None
+
+    async def _open(self) -> None:
+        """Open the model session (once) with the system prompt assembled so far."""
+        if self.opened:
+            return
+        prompt = self._prompt()
+        config = protocol.SessionConfig(system_prompt=prompt, seed=0, max_streaming_seconds=self.settings.max_session_seconds)
+        reply = await self.engine.call("open", self.session_id, config=config)
+        if reply.error is not None:
+            raise RealtimeError("session_initialization_failed", reply.error.message, error_type=SERVER_ERROR)
+        self.opened = self.configured = True
+        self.prompt = prompt
+
+    async def _append(self, message: dict) -> None:
+        try:
+            samples = self.input.decode(message.get("audio"))
+        except AudioFormatError as error:
+            raise RealtimeError("invalid_value", str(error), param="audio") from None
+        await self._open()
+        self.pending = np.concatenate([self.pending, samples])
+        if samples.size:
+            self.timeline.heard_since_commit = True
+        while self.pending.shape[0] >= FRAME_SAMPLES:
+            frame, self.pending = self.pending[:FRAME_SAMPLES], self.pending[FRAME_SAMPLES:]
+            if not await self._push(frame, heard=True):
+                return
+
+    async def _push(self, samples: np.ndarray, heard: bool) -> bool:
+        """One 1280-sample frame through the model; sends its GA events. False on error."""
+        reply = await self.engine.call("push", self.session_id, samples=samples)
+        level = rms(samples) if heard else 0.0
+        for frame in frames_from_events(reply.events):
+            await self._send_all(self.timeline.frame(frame, level, heard=heard))
+        if reply.error is not None:
+            await self.send(error_event(reply.error.code, reply.error.message))
+            return False
+        return True
+
+    async def _commit(self, message: dict) -> None:
+        await self._send_all(self.timeline.commit())
+
+    async def _clear(self, message: dict) -> None:
+        self.pending = np.zeros(0, np.float32)
+        await self._send_all(self.timeline.clear())
+
+    async def _response_create(self, message: dict) -> None:
+        params = message.get("response") or {}
+        if not isinstance(params, dict):
+            raise RealtimeError("invalid_value", "response must be an object", param="response")
+        options: dict = {}
+        for key, value in params.items():
+            param = f"response.{key}"
+            if key == "output_modalities":
+                if value is not None:
+                    if not isinstance(value, list) or len(value) != 1 or value[0] not in ("audio", "text"):
+                        raise RealtimeError("invalid_value", 'response.output_modalities must be ["audio"] or ["text"]', param=param)
+                    options["modality"] = value[0]
+            elif key == "max_output_tokens":
+                options["max_output_tokens"] = session_config.max_output_tokens(value, param)
+            elif key == "metadata":
+                if value is not None and not isinstance(value, dict):
+                    raise RealtimeError("invalid_value", "response.metadata must be an object", param=param)
+                options["metadata"] = value
+            elif key == "conversation":
+                if value not in (None, "auto"):
+                    raise RealtimeError("unsupported_parameter", 'only response.conversation "auto" is supported', param=param)
+            elif key == "audio":
+                fmt = ((value or {}).get("output") or {}).get("format") if isinstance(value, dict) else None
+                if fmt is not None:
+                    options["output_format"] = session_config.audio_format(fmt, f"{param}.output.format")
+            elif key in ("tools", "input") and not value:
+                continue
+            elif key == "tool_choice" and value in (None, "auto", "none"):
+                continue
+            elif key == "instructions" and (value is None or value == (self.prompt if self.opened else self._prompt())):
+                continue
+            else:
+                raise RealtimeError(
+                    "unsupported_parameter",
+                    f"{param} is not supported: the model has one conversation, one system prompt and no tools",
+                    param=param,
+                )
+        await self._open()
+        await self._send_all(self.timeline.create_response(requested=True, **options))
+        if self.config.turn_detection is None:
+            await self._fill()
+
+    async def _fill(self) -> None:
+        """Without turn detection the client has stopped talking: feed silence (the partial
+        frame first) until the response ends, a client message arrives, or
+        :data:`MAX_FILL_SECONDS`."""
+        frames = int(MAX_FILL_SECONDS * 1000 / 80)
+        for _ in range(frames):
+            if not self.timeline.response_active or not self.inbox.empty() or self.finished:
+                return
+            frame = np.zeros(FRAME_SAMPLES, np.float32)
+            frame[: self.pending.shape[0]] = self.pending
+            heard = self.pending.shape[0] > 0
+            self.pending = np.zeros(0, np.float32)
+            if not await self._push(frame, heard=heard):
+                return
+
+    async def _response_cancel(self, message: dict) -> None:
+        response_id = message.get("response_id")
+        if response_id is not None and not isinstance(response_id, str):
+            raise RealtimeError("invalid_value", "response_id must be a string", param="response_id")
+        await self._send_all(self.timeline.cancel_response(response_id))
+
+    async def _item_create(self, message: dict) -> None:
+        item = message.get("item")
+        if not isinstance(item, dict):
+            raise RealtimeError("invalid_value", "conversation.item.create needs an 'item' object", param="item")
+        if item.get("type", "message") != "message":
+            raise RealtimeError(
+                "unsupported_parameter", "only message items with text content are supported (no function calls here)", param="item.type"
+            )
+        content = item.get("content")
+        if not isinstance(content, list) or not content:
+            raise RealtimeError("invalid_value", "item.content must be a non-empty list", param="item.content")
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in _TEXT_CONTENT or not isinstance(part.get("text"), str):
+                raise RealtimeError(
+                    "unsupported_parameter", "only text content (input_text / text / output_text) can be added", param="item.content"
+                )
+            texts.append(part["text"])
+        if item.get("role") not in ("user", "assistant", "system"):
+            raise RealtimeError("invalid_value", "item.role must be user, assistant or system", param="item.role")
+        if not self.opened:
+            self.prompt_items.append("\n".join(texts))
+        await self._send_all(self.timeline.add_text_item({k: v for k, v in item.items() if k in ("id", "type", "role", "content")}))
+
+    async def _truncate(self, message: dict) -> None:
+        item_id, index, end = message.get("item_id"), message.get("content_index", 0), message.get("audio_end_ms")
+        if not isinstance(item_id, str):
+            raise RealtimeError("invalid_value", "item_id must be a string", param="item_id")
+        if not session_config.is_int(index) or index < 0:
+            raise RealtimeError("invalid_value", "content_index must be a non-negative integer", param="content_index")
+        if not session_config.is_int(end) or end < 0:
+            raise RealtimeError("invalid_value", "audio_end_ms must be a non-negative integer", param="audio_end_ms")
+        await self._send_all(self.timeline.truncate(item_id, index, end))
+
+    _HANDLERS = {
+        "session.update": _session_update,
+        "input_audio_buffer.append": _append,
+        "input_audio_buffer.commit": _commit,
+        "input_audio_buffer.clear": _clear,
+        "response.create": _response_create,
+        "response.cancel": _response_cancel,
+        "conversation.item.create": _item_create,
+        "conversation.item.truncate": _truncate,
+    }
