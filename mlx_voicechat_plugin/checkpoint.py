@@ -56,3 +56,18 @@ def is_voicechat_checkpoint(model: str | Path) -> bool:
     """True when ``model`` names a local or cached checkpoint with ``model_type: nemotron_voicechat``."""
     config = find_config(model)
     return config is not None and read_model_type(config) == MODEL_TYPE
+
+
+#: First words of the README that ``python -m mlx_voicechat_plugin.demo build`` writes.
+DEMO_README_TITLE = "Demo NemotronLabs VoiceChat checkpoint"
+
+
+def is_demo_checkpoint(path: str | Path) -> bool:
+    """True when ``path`` is a random-weight checkpoint built by the demo builder (its
+    ``README.md`` carries :data:`DEMO_README_TITLE` and ``config.json`` is there)."""
+    directory = Path(path).expanduser()
+    readme, config = directory / "README.md", directory / "config.json"
+    try:
+        return config.is_file() and readme.is_file() and DEMO_README_TITLE in readme.read_text(errors="replace")
+    except OSError:
+        return False

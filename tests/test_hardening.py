@@ -55,7 +55,7 @@ def test_unwritable_output_location_is_refused_before_work(tmp_path, capsys):
     from mlx_voicechat_plugin.cli.generate import main
 
     code = main(["--model", str(tmp_path / "missing"), "--audio", str(SPEECH_WAV), "--output-audio", "/proc/x.wav"])
-    assert code == 1
+    assert code == 2  # a bad output path is a usage/input error (exit_codes)
     assert "cannot write there" in capsys.readouterr().err
 
 

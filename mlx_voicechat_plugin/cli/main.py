@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "demo":
         from ..demo.__main__ import main as demo_main
 
-        return demo_main(rest)
+        return demo_main(rest, prog="mlx-voicechat demo")
     print(f"error: unknown command {command!r}\n{usage}", file=sys.stderr)
     return 2
 

@@ -26,7 +26,7 @@ from .connection import Connection
 from .engine import RealtimeEngine
 from .openai import dialect as openai_dialect
 from .openai.connection import OpenAIConnection
-from .security import accepted_subprotocol, key_matches, origin_allowed, presented_key
+from .security import HostGuardMiddleware, accepted_subprotocol, key_matches, origin_allowed, presented_key
 from .settings import ServerSettings
 
 CHAT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
@@ -39,6 +39,15 @@ async def _deny(websocket: WebSocket, status: int, message: str) -> None:
         await websocket.send_denial_response(response)
     except RuntimeError:  # server without the websocket.http.response extension
         await websocket.close(code=1008)
+
+
+#: Where the page carries the demo-checkpoint notice (replaced when the checkpoint is one).
+DEMO_NOTE_MARKER = "<!-- demo-note -->"
+DEMO_NOTE = (
+    '<p class="demo-note" id="demo-note" role="note">This server runs a random-weight '
+    "<strong>demo checkpoint</strong>: it does not understand speech, and its text and "
+    "speech are gibberish. Serve a real checkpoint with <code>--model</code>.</p>"
+)
 
 
 def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engine: bool = False) -> FastAPI:
@@ -67,12 +76,14 @@ def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engin
     app = FastAPI(title="mlx-voicechat-plugin realtime server", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.engine = engine
+    app.state.connections = set()  # the open realtime connections (SIGTERM, tests)
+    app.add_middleware(HostGuardMiddleware, allowed_hosts=settings.allowed_hosts)
     realtime_path = settings.path("/v1/realtime")
 
     @app.websocket(realtime_path)
     async def realtime(websocket: WebSocket):
         headers = websocket.headers
-        if not origin_allowed(headers.get("origin"), headers.get("host"), settings.allowed_origins):
+        if not origin_allowed(headers.get("origin"), headers.get("host"), settings.allowed_origins, settings.allowed_hosts):
             await _deny(websocket, 403, "this Origin is not allowed to open the realtime WebSocket")
             return
         offered = list(websocket.scope.get("subprotocols") or [])
@@ -87,9 +98,14 @@ def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engin
             await _deny(websocket, 401, "missing or wrong API key (send Authorization: Bearer <key>)")
             return
         await websocket.accept(subprotocol=(dialect.accepted_subprotocol if dialect else accepted_subprotocol)(offered))
-        await (OpenAIConnection if dialect else Connection)(websocket, engine, settings).run()
+        connection = (OpenAIConnection if dialect else Connection)(websocket, engine, settings)
+        app.state.connections.add(connection)
+        try:
+            await connection.run()
+        finally:
+            app.state.connections.discard(connection)
 
-    @app.get(settings.path("/health"))
+    @app.api_route(settings.path("/health"), methods=["GET", "HEAD"])
     async def health():
         alive = engine.alive
         body = {
@@ -104,11 +120,13 @@ def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engin
     async def models():
         return {"object": "list", "data": [{"id": settings.model_id, "object": "model", "owned_by": "local"}]}
 
-    @app.get(settings.path("/voicechat"))
+    @app.api_route(settings.path("/voicechat"), methods=["GET", "HEAD"])
     async def page():
         from fastapi.responses import HTMLResponse
 
         html = (Path(__file__).parent / "static" / "voicechat.html").read_text(encoding="utf-8")
+        if settings.demo_checkpoint:
+            html = html.replace(DEMO_NOTE_MARKER, DEMO_NOTE, 1)
         return HTMLResponse(html, headers={"Cache-Control": "no-store"})
 
     async def not_implemented(request: Request):

@@ -1,7 +1,9 @@
 """``mlx-voicechat serve`` and ``python -m mlx_vlm.server --model <voicechat checkpoint>``.
 
 Loads the checkpoint once on the engine thread and serves ``/v1/realtime`` with uvicorn.
-mlx-vlm server flags that do not apply to this model are accepted and ignored with a note.
+mlx-vlm server flags that do not apply to this model are accepted and ignored with a note
+(:mod:`mlx_voicechat_plugin.cli.compat`); any other option is refused with the usage line
+(exit 2). A bad ``--model`` is reported (exit 2) before the server's heavy imports.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..cli.compat import SERVER_FLAGS, add_mlx_vlm_options, ignored_note
+from ..exit_codes import EXIT_FAILURE, EXIT_OK, EXIT_STATUS_HELP, EXIT_USAGE
 from .settings import IDLE_TIMEOUT, MAX_MESSAGE_BYTES, MAX_SESSION_SECONDS, SESSION_UPDATE_TIMEOUT
 
 
@@ -51,7 +55,7 @@ def _check_bind(host: str, port: int) -> str | None:
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Serve NemotronLabs VoiceChat over the realtime WebSocket /v1/realtime.")
+    parser = argparse.ArgumentParser(prog=prog, description="Serve NemotronLabs VoiceChat over the realtime WebSocket /v1/realtime.", epilog=EXIT_STATUS_HELP)
     parser.add_argument("--model", "-m", default=None, help="checkpoint directory (default: the built-in tiny demo checkpoint)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 to listen on all interfaces)")
     parser.add_argument("--port", type=_port, default=8080, help="port (default 8080)")
@@ -65,19 +69,40 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-session-seconds", type=float, default=MAX_SESSION_SECONDS, help=argparse.SUPPRESS)
     parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add_mlx_vlm_options(parser, SERVER_FLAGS)
     return parser
+
+
+def _public_host(host: str) -> str:
+    """The host to show in URLs: a wildcard bind address is reached as localhost."""
+    if host in ("0.0.0.0", "::", ""):
+        return "localhost"
+    return f"[{host}]" if ":" in host else host
 
 
 def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve") -> int:
     """Parse arguments, load the checkpoint on the engine thread, run uvicorn."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, unknown = build_parser(prog).parse_known_args(argv)
-    if unknown:
-        print("note: ignoring options that do not apply to this model: " + " ".join(unknown), file=sys.stderr)
+    try:
+        args = build_parser(prog).parse_args(argv)  # unknown options: usage line + exit 2
+    except SystemExit as exit_:
+        return EXIT_USAGE if exit_.code not in (0, None) else EXIT_OK
+    note = ignored_note(args)
+    if note:
+        print(note, file=sys.stderr)
+    from ..checkpoint import is_demo_checkpoint
+    from ..loading import CheckpointError, resolve_checkpoint
+
+    model_path = None
+    if args.model is not None:
+        try:
+            model_path = resolve_checkpoint(args.model)
+        except CheckpointError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return EXIT_USAGE
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import uvicorn
 
-    from ..loading import CheckpointError, resolve_checkpoint
     from .app import create_app
     from .engine import RealtimeEngine
     from .settings import ServerSettings
@@ -85,18 +110,12 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve") ->
     problem = _check_bind(args.host, args.port)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
-        return 1
-    if args.model is None:
+        return EXIT_FAILURE
+    if model_path is None:
         from ..demo import default_checkpoint
 
         model_path = default_checkpoint()
         print(f"[model] built-in demo checkpoint (random weights): {model_path}", file=sys.stderr)
-    else:
-        try:
-            model_path = resolve_checkpoint(args.model)
-        except CheckpointError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
     try:
         settings = ServerSettings(
             model_id=args.alias or Path(model_path).name.lower(),
@@ -107,6 +126,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve") ->
             max_session_seconds=min(args.max_session_seconds, MAX_SESSION_SECONDS),
             session_update_timeout=args.session_update_timeout,
             idle_timeout=args.idle_timeout,
+            demo_checkpoint=is_demo_checkpoint(model_path),
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -125,8 +145,11 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve") ->
         return 1
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     app = create_app(settings, engine)
+    address = f"{_public_host(args.host)}:{args.port}"
     print(
-        f"serving {settings.model_id} at ws://{args.host}:{args.port}{settings.path('/v1/realtime')}",
+        f"serving {settings.model_id}{' (random-weight demo checkpoint)' if settings.demo_checkpoint else ''}\n"
+        f"  realtime WebSocket: ws://{address}{settings.path('/v1/realtime')}\n"
+        f"  browser page:       http://{address}{settings.path('/voicechat')}",
         file=sys.stderr,
     )
     try:

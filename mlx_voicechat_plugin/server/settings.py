@@ -13,6 +13,17 @@ SESSION_UPDATE_TIMEOUT = 30.0
 #: A configured session with no client message for this long is closed (1008); the clock
 #: does not run while the server is still handling the client's last message.
 IDLE_TIMEOUT = 120.0
+#: Every send to a client must complete within this many seconds; a client that stops
+#: reading loses its session, its slot and its socket when it passes.
+SEND_TIMEOUT = 5.0
+#: Client messages read ahead while the server is busy (an append running); when full the
+#: server stops reading the socket (TCP backpressure) until the handler catches up.
+MAX_QUEUED_MESSAGES = 64
+#: An HTTP request head (request line and headers, WebSocket upgrades included) must be
+#: complete within this many seconds of connecting or of the previous response.
+HEADER_TIMEOUT = 10.0
+#: Open TCP connections (HTTP and WebSocket); more are answered 503 and closed at once.
+MAX_CONNECTIONS = 64
 
 
 @dataclass(frozen=True)
@@ -31,6 +42,13 @@ class ServerSettings:
             are always allowed.
         max_message_bytes, max_session_seconds, session_update_timeout, idle_timeout:
             the limits above (configurable so tests need not wait minutes).
+        demo_checkpoint: the served checkpoint is a random-weight demo checkpoint (the
+            banner and the browser page say so).
+        allowed_hosts: host names accepted in the ``Host`` header of every request (DNS
+            rebinding guard, :func:`.security.host_allowed`) besides IP addresses,
+            ``localhost`` and ``*.localhost``, which are always accepted; ``*`` accepts any.
+        send_timeout, max_queued_messages, header_timeout, max_connections: the limits
+            above (:data:`SEND_TIMEOUT` ...).
     """
 
     model_id: str
@@ -41,6 +59,12 @@ class ServerSettings:
     max_session_seconds: float = MAX_SESSION_SECONDS
     session_update_timeout: float = SESSION_UPDATE_TIMEOUT
     idle_timeout: float = IDLE_TIMEOUT
+    demo_checkpoint: bool = False
+    allowed_hosts: tuple[str, ...] = field(default_factory=tuple)
+    send_timeout: float = SEND_TIMEOUT
+    max_queued_messages: int = MAX_QUEUED_MESSAGES
+    header_timeout: float = HEADER_TIMEOUT
+    max_connections: int = MAX_CONNECTIONS
 
     def __post_init__(self):
         prefix = self.api_prefix.strip().strip("/")
@@ -56,7 +80,12 @@ class ServerSettings:
         object.__setattr__(self, "api_prefix", prefix)
         origins = tuple(origin.strip().rstrip("/") for origin in self.allowed_origins if origin.strip())
         object.__setattr__(self, "allowed_origins", origins)
-        for name in ("max_session_seconds", "session_update_timeout", "idle_timeout"):
+        hosts = tuple(host.strip().lower().rstrip(".") for host in self.allowed_hosts if host.strip())
+        object.__setattr__(self, "allowed_hosts", hosts)
+        for name in ("max_queued_messages", "max_connections"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer")
+        for name in ("max_session_seconds", "session_update_timeout", "idle_timeout", "send_timeout", "header_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         if self.max_message_bytes < 1024:

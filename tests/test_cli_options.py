@@ -1,0 +1,263 @@
+"""What a newcomer meets first: options, exit statuses, labelled output, banner and page.
+
+* Every entry point refuses an unknown option with the usage line and exit 2 (a misspelt
+  ``--max-sesions`` never passes silently); mlx-vlm's own options are accepted with a note,
+  and the tables of them follow the installed mlx-vlm's parsers.
+* One exit-status table (``mlx_voicechat_plugin.exit_codes``): the same mistake gives the
+  same status in every command, and input errors are reported before heavy imports.
+* The assistant text is printed on a labelled line, control characters escaped on a
+  terminal; the serve banner names the WebSocket and the page; the page says when the
+  checkpoint is a random-weight demo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_voicechat_plugin.cli import compat
+from mlx_voicechat_plugin.cli.output import escape_controls, for_stream, labelled
+from mlx_voicechat_plugin.exit_codes import EXIT_USAGE
+
+SPEECH_WAV = Path(__file__).parent / "data" / "question.wav"
+HEAVY = ("mlx_vlm", "mlx_audio", "transformers", "uvicorn", "fastapi")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+# --------------------------------------------------------------------------- mlx-vlm's options
+
+
+def _upstream_options(function) -> dict[str, object]:
+    """The option strings (and nargs) of the parser ``function`` builds, captured at parse."""
+
+    class Captured(Exception):
+        pass
+
+    def capture(self, *args, **kwargs):
+        raise Captured(self)
+
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        function()
+    except Captured as captured:
+        parser = captured.args[0]
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    options = {}
+    for action in parser._actions:
+        for flag in action.option_strings:
+            options[flag] = action.nargs
+    return options
+
+
+def _expected(table_nargs) -> object:
+    return {0: 0, None: 1}.get(table_nargs, table_nargs)
+
+
+@pytest.mark.parametrize("which", ["generate", "server"])
+def test_compat_tables_follow_the_installed_mlx_vlm(which):
+    if which == "generate":
+        module = importlib.import_module("mlx_vlm.generate.dispatch")
+        upstream = _upstream_options(module.parse_arguments)
+        from mlx_voicechat_plugin.cli.generate import build_parser
+
+        table, parser = compat.GENERATE_FLAGS, build_parser()
+    else:
+        module = importlib.import_module("mlx_vlm.server.cli")
+        main = getattr(module.main, "__wrapped__", module.main)  # past the shim's hook
+        upstream = _upstream_options(main)
+        from mlx_voicechat_plugin.server.cli import build_parser
+
+        table, parser = compat.SERVER_FLAGS, build_parser("serve")
+    own = {flag for flag, action in parser._option_string_actions.items()
+           if not isinstance(action, compat._Ignored)}
+    for flag, nargs in upstream.items():
+        if flag in own:
+            continue
+        assert flag in table, f"mlx-vlm's {flag} is missing from the table"
+        assert table[flag] == _expected(nargs), (flag, nargs, table[flag])
+    for flag in table:
+        assert flag in upstream or flag in own, f"{flag} is not an mlx-vlm option"
+
+
+def test_mlx_vlm_options_are_accepted_with_a_note():
+    from mlx_voicechat_plugin.server.cli import build_parser
+
+    args = build_parser("serve").parse_args(["--max-num-seqs", "4", "--reload", "--kv-bits", "8"])
+    assert compat.ignored_note(args) == (
+        "note: ignoring mlx-vlm options that do not apply to this model: "
+        "--max-num-seqs --reload --kv-bits"
+    )
+    assert compat.ignored_note(build_parser("serve").parse_args([])) is None
+
+
+def _in_process(main, argv, **kwargs):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv, **kwargs)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize(
+    "command,argv",
+    [
+        ("generate", ["--audio", str(SPEECH_WAV), "--output-audio", "x.wav", "--bogus-flag", "7"]),
+        ("serve", ["--port", "8080", "--max-sesions", "4"]),
+        ("serve", ["--bogus-flag", "7"]),
+        ("demo", ["build", "out", "--presett", "tiny"]),
+    ],
+    ids=["generate", "serve-misspelt", "serve-bogus", "demo"],
+)
+def test_unknown_options_are_refused_with_the_usage_line(tmp_path, monkeypatch, command, argv):
+    from mlx_voicechat_plugin.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _in_process(main, [command, *argv])
+    assert code == EXIT_USAGE
+    assert err.startswith("usage: mlx-voicechat " + command), err
+    assert "unrecognized arguments" in err and argv[-2] in err
+    assert out == "" and not (tmp_path / "x.wav").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("module", ["mlx_vlm.server", "mlx_vlm.generate"])
+def test_mlx_vlm_entry_points_refuse_unknown_options(tiny, module):
+    extra = ["--audio", str(SPEECH_WAV), "--output-audio", "x.wav"] if module.endswith("generate") else []
+    completed = subprocess.run(
+        [sys.executable, "-m", module, "--model", str(tiny), *extra, "--bogus-flag", "7"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert completed.returncode == EXIT_USAGE, completed.stderr
+    assert completed.stderr.startswith(f"usage: python -m {module}"), completed.stderr
+    assert "--bogus-flag" in completed.stderr and "Traceback" not in completed.stderr
+    assert "serving" not in completed.stderr
+
+
+# --------------------------------------------------------------------------- exit statuses
+
+
+def _subprocess_main(argv: list[str], cwd: Path) -> tuple[int, str, list[str]]:
+    """Run ``mlx-voicechat ARGV`` in a fresh interpreter; returns the status, stderr and the
+    heavy modules that were imported."""
+    script = (
+        "import json, sys\n"
+        "from mlx_voicechat_plugin.cli.main import main\n"
+        f"code = main({argv!r})\n"
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
+        "sys.exit(code)\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                               cwd=cwd, timeout=120)
+    return completed.returncode, completed.stderr, json.loads(completed.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["generate", "--audio", "missing.wav", "--output-audio", "a.wav"], "missing.wav"),
+        (["generate", "--audio", str(SPEECH_WAV), "--output-audio", "a.mp3"], ".wav"),
+        (["generate", "--model", "/nonexistent", "--audio", str(SPEECH_WAV), "--output-audio", "a.wav"],
+         "/nonexistent"),
+        (["serve", "--model", "/nonexistent"], "/nonexistent"),
+        (["demo", "build", "."], "already exists"),
+    ],
+    ids=["missing-input", "mp3-output", "generate-bad-model", "serve-bad-model", "demo-existing"],
+)
+def test_the_same_mistake_exits_2_before_heavy_imports(tmp_path, argv, words):
+    code, err, heavy = _subprocess_main(argv, tmp_path)
+    assert code == EXIT_USAGE, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], err
+    assert heavy == [], f"imported {heavy} before reporting the error"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_file_client_uses_the_same_table(tmp_path):
+    from mlx_voicechat_plugin.clients import file as file_client
+
+    code, _, err = _in_process(file_client.main, ["ws://127.0.0.1:9/v1/realtime", "missing.wav", str(tmp_path / "a.wav")])
+    assert code == EXIT_USAGE, err
+    code, _, err = _in_process(file_client.main, ["ws://127.0.0.1:9/v1/realtime", str(SPEECH_WAV), str(tmp_path / "a.mp3")])
+    assert code == EXIT_USAGE, err
+
+
+# --------------------------------------------------------------------------- output
+
+
+def test_control_characters_are_escaped_on_a_terminal_only():
+    text = "ok\x01\x04\x0e\x14\x7f\x9b end\tand\nmore"
+    assert escape_controls(text) == "ok\\x01\\x04\\x0e\\x14\\x7f\\x9b end\tand\nmore"
+    assert for_stream(text, _Terminal()) == escape_controls(text)
+    assert for_stream(text, io.StringIO()) == text  # a pipe or file gets the exact text
+    assert labelled("assistant", "hi\x0e", _Terminal()) == "[assistant] hi\\x0e"
+
+
+def test_generate_prints_labelled_lines_and_the_wav_path(tiny, tmp_path, monkeypatch):
+    from mlx_voicechat_plugin.cli.main import main
+
+    terminal = _Terminal()
+    output = tmp_path / "answer.wav"
+    err = io.StringIO()
+    with contextlib.redirect_stdout(terminal), contextlib.redirect_stderr(err):
+        code = main(["generate", "--model", str(tiny), "--audio", str(SPEECH_WAV),
+                     "--extra-decoding-seconds", "0.5", "--output-audio", str(output)])
+    assert code == 0, err.getvalue()
+    lines = terminal.getvalue().splitlines()
+    assert lines[0].startswith("[user] ") and lines[1].startswith("[assistant] ")
+    for line in lines:
+        assert not any(ord(c) < 32 or 0x7F <= ord(c) < 0xA0 for c in line), repr(line)
+    assert f"[audio] wrote {output} (" in err.getvalue() and "22050 Hz mono PCM16" in err.getvalue()
+
+
+# --------------------------------------------------------------------------- banner and page
+
+
+def test_serve_banner_names_the_socket_and_the_page(tiny, tmp_path, monkeypatch):
+    import shutil
+
+    import uvicorn
+
+    from mlx_voicechat_plugin.server import cli as server_cli
+
+    demo = tmp_path / "demo"
+    shutil.copytree(tiny, demo)
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    code, _, err = _in_process(server_cli.main, ["--model", str(demo), "--port", "18765",
+                                                 "--host", "0.0.0.0", "--api-prefix", "/v"])
+    assert code == 0, err
+    assert "ws://localhost:18765/v/v1/realtime" in err
+    assert "http://localhost:18765/v/voicechat" in err
+    assert "random-weight demo checkpoint" in err
+
+
+@pytest.mark.parametrize("demo", [True, False])
+def test_page_says_when_the_checkpoint_is_a_demo(tiny, engine, demo):
+    from .test_server_support import ServerHandle, http, server_settings
+
+    with ServerHandle(server_settings(tiny, demo_checkpoint=demo), engine) as handle:
+        status, page = http("GET", handle.http_url("/voicechat"))
+    assert status == 200
+    assert ('id="demo-note"' in page) is demo
+    assert ("random-weight" in page) is demo
+
+
+def test_demo_checkpoints_are_recognised(tiny, tmp_path):
+    from mlx_voicechat_plugin.checkpoint import is_demo_checkpoint
+
+    assert is_demo_checkpoint(tiny)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    assert not is_demo_checkpoint(other) and not is_demo_checkpoint(tmp_path / "missing")
