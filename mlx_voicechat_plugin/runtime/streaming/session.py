@@ -24,6 +24,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 
+from .. import compiled
 from ..offline import OfflineSession
 from ..rng import SessionRNG
 from ..text import TokenText
@@ -71,6 +72,7 @@ class StreamingSession:
         self.frame_samples = round(config.input_sample_rate * config.frame_duration)
         self.max_frames = self.options.max_frames(config.frame_duration)
         self._thread = threading.get_ident()
+        compiled.install(model)  # MLX_VOICECHAT_COMPILE: fused static-shape blocks (GPU default)
         self._helper = OfflineSession(model, tokenizer)
         self._rng = SessionRNG(self.options.seed)
         self._pending = np.zeros(0, dtype=np.float32)
@@ -330,8 +332,6 @@ class StreamingSession:
 
     def _step_frame(self, frame: np.ndarray) -> list:
         clock = FrameClock(self._frame_index, self._profiling, self._sub_stages)
-        events: list = []
-
         projected, encoded = self._perceive(frame, clock)
         clock.stage("perception", projected, encoded, *self._conformer_arrays())
 
@@ -378,8 +378,18 @@ class StreamingSession:
         self._speech.evaluated()
         clock.sync()
         clock.stage("codec")
+        symbols = values[2:] + (rest.tolist() if rest is not None else [])
+        events = self._frame_events(text_id, function_id, symbols, samples, clean)
+        if self._profiling:
+            self.profile.frames.append(clock.finish())
+        self._frame_index += 1
+        return events
+
+    def _frame_events(self, text_id: int, function_id: int, symbols: list[int], samples, clean) -> list:
+        """A processed frame's events, once its outputs and caches are evaluated (also used
+        by the batched engine, :mod:`~mlx_voicechat_plugin.runtime.batch`)."""
+        events: list = []
         if self._transcript.enabled:
-            symbols = values[2:] + (rest.tolist() if rest is not None else [])
             update = self._transcript.commit(symbols)
             if update is not None:
                 events.append(UserTranscriptDelta(self._frame_index, update[0], update[1]))
@@ -402,7 +412,4 @@ class StreamingSession:
                 audio_codes=tuple(clean[0, 0].tolist()),
             )
         )
-        if self._profiling:
-            self.profile.frames.append(clock.finish())
-        self._frame_index += 1
         return events

@@ -1,0 +1,285 @@
+"""``BatchedEngine``: many streaming sessions on one model, advanced together frame by frame.
+
+A scheduler over per-session state objects (each a
+:class:`~mlx_voicechat_plugin.runtime.streaming.StreamingSession`: caches, RNG key, limits,
+text accumulators), after moshi-server's ``batched_asr.rs``: one loop steps every active
+stream per frame. Audio pushed to a session is buffered; each :meth:`BatchedEngine.tick`
+advances every session that has a frame ready by exactly one 80 ms frame, the networks
+running once over the stacked rows (:func:`.frame.step_frames`). Each session's events are
+exactly those of the same input, prompt and seed run alone.
+
+Threading: MLX evaluation is thread-affine, so one thread creates the engine and calls
+every method (another thread gets :class:`~..streaming.WrongThreadError`). The server runs
+it on its engine thread (``mlx_voicechat_plugin.server.engine``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..streaming.errors import (
+    ContextLimitError,
+    SessionClosedError,
+    StreamingError,
+    WrongThreadError,
+)
+from ..streaming.events import Done
+from ..streaming.options import StreamingOptions
+from .frame import batchable, step_frames
+
+
+class SessionLimitError(StreamingError, RuntimeError):
+    """Every session slot of the engine is taken (``max_sessions``)."""
+
+
+class UnknownSessionError(StreamingError, KeyError):
+    """No open session has this id (never opened, finished, cancelled or failed)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument
+        return str(self.args[0]) if self.args else "unknown session"
+
+
+@dataclass
+class TickResult:
+    """What one tick produced for one session.
+
+    Attributes:
+        events: the frame's events (and :class:`~..streaming.Done` when the session
+            finished its flush), in order.
+        error: a :class:`~..streaming.ContextLimitError` (the session stays open: flush
+            with ``pad_partial=False`` or cancel), or the exception a failed frame raised
+            (the session is closed).
+        finished: the session is closed and removed from the engine.
+    """
+
+    events: list = field(default_factory=list)
+    error: BaseException | None = None
+    finished: bool = False
+
+
+@dataclass
+class _Slot:
+    session: object
+    pending: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    flushing: bool = False
+    pad_partial: bool = True
+
+
+class BatchedEngine:
+    """Open, feed and tick many streaming sessions of one loaded model.
+
+    Args:
+        model: the loaded :class:`~mlx_voicechat_plugin.model.Model`.
+        tokenizer: its text tokenizer (the processor from ``mlx_vlm.load`` works too).
+        max_sessions: most sessions open at once (``None``: unbounded).
+
+    Raises:
+        ValueError: ``max_sessions`` is not a positive integer.
+    """
+
+    def __init__(self, model, tokenizer, max_sessions: int | None = None):
+        if max_sessions is not None and (
+            isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1
+        ):
+            raise ValueError(f"max_sessions must be a positive integer or None, got {max_sessions!r}")
+        self.model = model
+        self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+        self.max_sessions = max_sessions
+        self.frame_samples = round(model.config.input_sample_rate * model.config.frame_duration)
+        self.frames_processed = 0
+        self.last_tick_seconds = 0.0
+        self._slots: dict[str, _Slot] = {}
+        self._ids = itertools.count()
+        self._thread = threading.get_ident()
+
+    # ------------------------------------------------------------------ sessions
+    @property
+    def session_ids(self) -> list[str]:
+        """Ids of the open sessions, in the order they were opened."""
+        return list(self._slots)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def open(self, options: StreamingOptions | None = None, session_id: str | None = None):
+        """Create a session (EAR-TTS warm-up and system-prompt prefill run now).
+
+        Args:
+            options: its :class:`~..streaming.StreamingOptions` (defaults when None).
+            session_id: its id (default ``"session-<n>"``); must not be open already.
+
+        Returns:
+            The session id.
+
+        Raises:
+            SessionLimitError: ``max_sessions`` sessions are open.
+            ValueError: ``session_id`` is already open; or an invalid option.
+        """
+        self._check_thread()
+        if self.max_sessions is not None and len(self._slots) >= self.max_sessions:
+            raise SessionLimitError(f"all {self.max_sessions} session slots are in use")
+        if session_id is None:
+            session_id = f"session-{next(self._ids)}"
+        if session_id in self._slots:
+            raise ValueError(f"session {session_id!r} is already open")
+        from ..streaming import StreamingSession
+
+        self._slots[session_id] = _Slot(StreamingSession(self.model, self.tokenizer, options))
+        return session_id
+
+    def session(self, session_id: str):
+        """The :class:`~..streaming.StreamingSession` holding ``session_id``'s state."""
+        return self._slot(session_id).session
+
+    def push_audio(self, session_id: str, samples, sample_rate: int = 16_000) -> None:
+        """Buffer mono float PCM for ``session_id``; the frames run in later ticks.
+
+        Raises:
+            UnknownSessionError: no such open session.
+            SessionClosedError: a flush was requested for this session.
+            SampleRateError, AudioShapeError, NonFiniteAudioError: the chunk is rejected
+                and nothing from it is buffered (the session's own validation).
+        """
+        slot = self._slot(session_id)
+        if slot.flushing:
+            raise SessionClosedError("a flush was requested for this session; it takes no more audio")
+        chunk = slot.session._validate(samples, sample_rate)
+        if chunk.shape[0]:
+            slot.pending = np.concatenate([slot.pending, chunk])
+
+    def pending_samples(self, session_id: str) -> int:
+        """Samples buffered for ``session_id`` and not yet run."""
+        return int(self._slot(session_id).pending.shape[0])
+
+    def ready(self, session_id: str) -> bool:
+        """True when the next tick will advance or finish ``session_id``."""
+        slot = self._slot(session_id)
+        return slot.flushing or slot.pending.shape[0] >= self.frame_samples
+
+    @property
+    def has_work(self) -> bool:
+        """True when some session is ready (a tick would do something)."""
+        return any(self.ready(session_id) for session_id in self._slots)
+
+    def flush(self, session_id: str, pad_partial: bool = True) -> None:
+        """Finish ``session_id``'s input: its buffered frames, then (``pad_partial``) the
+        zero-padded partial frame, run in the next ticks; the tick that runs the last one
+        also returns :class:`~..streaming.Done` and removes the session.
+
+        Raises:
+            UnknownSessionError: no such open session.
+            TypeError: ``pad_partial`` is not a bool.
+        """
+        if not isinstance(pad_partial, bool):
+            raise TypeError(f"pad_partial must be True or False, got {pad_partial!r}")
+        slot = self._slot(session_id)
+        slot.flushing, slot.pad_partial = True, pad_partial
+
+    def cancel(self, session_id: str) -> list:
+        """Drop ``session_id``'s buffered audio and close it; returns ``[Cancelled]``.
+
+        Raises:
+            UnknownSessionError: no such open session.
+        """
+        slot = self._slot(session_id)
+        del self._slots[session_id]
+        return slot.session.cancel()
+
+    def close(self, session_id: str) -> None:
+        """Forget ``session_id`` (cancelled if still open); no-op for an unknown id."""
+        self._check_thread()
+        slot = self._slots.pop(session_id, None)
+        if slot is not None and not slot.session.closed:
+            slot.session.cancel()
+
+    # ------------------------------------------------------------------ ticking
+    def tick(self) -> dict[str, TickResult]:
+        """Advance every ready session by one frame, batched; finish flushed sessions.
+
+        Returns:
+            ``{session_id: TickResult}`` for every session the tick touched.
+        """
+        self._check_thread()
+        results: dict[str, TickResult] = {}
+        stepping: list[tuple[str, _Slot, np.ndarray]] = []
+        for session_id, slot in list(self._slots.items()):
+            frame = self._take_frame(session_id, slot, results)
+            if frame is not None:
+                stepping.append((session_id, slot, frame))
+        start = time.perf_counter()
+        groups = [[item] for item in stepping if not batchable(item[1].session)]
+        batched = [item for item in stepping if batchable(item[1].session)]
+        if batched:
+            groups.append(batched)
+        for group in groups:
+            try:
+                outputs = step_frames([slot.session for _, slot, _ in group], [frame for *_, frame in group])
+            except Exception as error:  # noqa: BLE001 - reported per session
+                for session_id, slot, _ in group:
+                    slot.session._fail(error)
+                    self._slots.pop(session_id, None)
+                    results[session_id] = TickResult(error=error, finished=True)
+                continue
+            for (session_id, slot, _), events in zip(group, outputs):
+                if isinstance(events, BaseException):
+                    slot.session._fail(events)
+                    self._slots.pop(session_id, None)
+                    results[session_id] = TickResult(error=events, finished=True)
+                    continue
+                results.setdefault(session_id, TickResult()).events.extend(events)
+                self.frames_processed += 1
+        if stepping:
+            self.last_tick_seconds = time.perf_counter() - start
+        for session_id, slot in list(self._slots.items()):
+            left = slot.pending.shape[0]
+            if slot.flushing and (left == 0 or (left < self.frame_samples and not slot.pad_partial)):
+                session = slot.session
+                session._close()
+                del self._slots[session_id]
+                result = results.setdefault(session_id, TickResult())
+                result.events.append(Done(frame_index=session.frame_index))
+                result.finished = True
+        return results
+
+    def _take_frame(self, session_id: str, slot: _Slot, results: dict) -> np.ndarray | None:
+        """The slot's next frame (removed from its buffer), or None; a frame past the
+        session's limit is refused with a :class:`ContextLimitError` result."""
+        size = self.frame_samples
+        if slot.pending.shape[0] >= size:
+            frame, rest = slot.pending[:size], slot.pending[size:]
+        elif slot.flushing and slot.pending.shape[0] and slot.pad_partial:
+            frame = np.zeros(size, dtype=np.float32)
+            frame[: slot.pending.shape[0]] = slot.pending
+            rest = np.zeros(0, dtype=np.float32)
+        else:
+            if slot.flushing:
+                slot.pending = np.zeros(0, dtype=np.float32)
+            return None
+        session = slot.session
+        if session._at_limit():
+            slot.pending = np.zeros(0, dtype=np.float32)
+            slot.flushing = False
+            results[session_id] = TickResult(error=ContextLimitError(session._limit_message()))
+            return None
+        slot.pending = rest
+        return frame
+
+    # ------------------------------------------------------------------ internals
+    def _slot(self, session_id: str) -> _Slot:
+        self._check_thread()
+        slot = self._slots.get(session_id)
+        if slot is None:
+            raise UnknownSessionError(f"no open session {session_id!r}")
+        return slot
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() != self._thread:
+            raise WrongThreadError(
+                "this batched engine was created on another thread; MLX evaluation is "
+                "thread-affine, so create and drive the engine on one thread"
+            )

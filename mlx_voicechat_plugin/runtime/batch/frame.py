@@ -1,0 +1,162 @@
+"""One frame for many sessions: :meth:`StreamingSession._step_frame` generalised to ``B``.
+
+The order of work is the solo frame's (``runtime/streaming/session.py``), with the
+language model, EAR-TTS and the codec run once over the stacked rows:
+
+1. per session: log-mel and cache-aware FastConformer (its own caches), the projection,
+   the first RNNT decode step (side stream) and the fused LLM input row;
+2. all sessions: one Nemotron-H step (:func:`.language.language_step`), the argmax ids;
+   **one** host round trip reads every session's ids and first RNNT symbols;
+3. per session: the remaining RNNT steps when its first symbol was not blank, its noise
+   (own RNG key); all sessions past their first timeline position: one EAR-TTS step
+   (:func:`.speech.speech_step`); sessions at their first position emit the silence codes;
+4. all sessions: one codec decode of the steady-state caches (:func:`.codec.codec_decode`),
+   then **one** evaluation of every output and cache;
+5. per session: its events (:meth:`StreamingSession._frame_events`).
+
+Profiling (``StreamingOptions.profile``) and the diagnostic options
+(``use_language_cache=False`` / ``use_perception_cache=False``) are solo features: such a
+session is stepped on its own (:meth:`StreamingSession._step_frame`) within the tick.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..streaming.profile import FrameClock
+from .codec import codec_decode
+from .language import language_step
+from .speech import draw_noise, speech_step
+
+
+def batchable(session) -> bool:
+    """True when ``session`` can share a batched frame (see the module docstring)."""
+    options = session.options
+    return (
+        not options.profile
+        and options.use_language_cache
+        and options.use_perception_cache
+        and session.model.config.tts_config.guidance_scale > 0
+    )
+
+
+def step_frames(sessions: list, frames: list[np.ndarray]) -> list[list]:
+    """Advance each session by exactly one frame, the batchable ones in one batched step.
+
+    Args:
+        sessions: distinct open :class:`~..streaming.StreamingSession` objects on one model
+            (the caller checks limits and thread).
+        frames: per session its ``(1280,)`` float32 frame.
+
+    Returns:
+        Per session the frame's events, equal to ``session._step_frame(frame)`` alone, or
+        the exception its own part of the frame raised (a solo-stepped session, or a
+        batched one whose perception failed; it is left out of the shared steps).
+
+    Raises:
+        Whatever a shared (batched) stage raises; the caller fails every session of the
+        batch (their states may be partly advanced).
+    """
+    results: list = [None] * len(sessions)
+    batch = [index for index, session in enumerate(sessions) if batchable(session)]
+    if len(batch) < 2:
+        batch = []
+    for index, session in enumerate(sessions):
+        if index not in batch:
+            try:
+                with session._rng.active():
+                    results[index] = session._step_frame(frames[index])
+            except Exception as error:  # noqa: BLE001 - reported for this session only
+                results[index] = error
+    if batch:
+        perceived = []
+        for index in batch:
+            try:
+                perceived.append((index, _perceive(sessions[index], frames[index])))
+            except Exception as error:  # noqa: BLE001 - reported for this session only
+                results[index] = error
+        if perceived:
+            outputs = _batched([sessions[i] for i, _ in perceived], [inputs for _, inputs in perceived])
+            for (index, _), events in zip(perceived, outputs):
+                results[index] = events
+    return results
+
+
+def _perceive(session, frame: np.ndarray) -> tuple[mx.array, list[mx.array]]:
+    """A session's own part of the frame: the fused LLM input row and RNNT read-back."""
+    projected, encoded = session._perceive(frame, FrameClock(session._frame_index, False, False))
+    readback = [session._transcript.schedule(encoded)] if session._transcript.enabled else []
+    return session._fuse(projected), readback
+
+
+def _batched(sessions: list, perceived: list) -> list[list]:
+    model = sessions[0].model
+    fused = [row for row, _ in perceived]
+    ids = [readback for _, readback in perceived]
+    text_logits, function_logits = language_step(model, [s._language for s in sessions], mx.concatenate(fused, axis=0))
+    text_ids = mx.argmax(text_logits[:, -1], axis=-1).astype(mx.int32)
+    function_ids = mx.argmax(function_logits[:, -1], axis=-1).astype(mx.int32)
+    pieces = []
+    for row, readback in enumerate(ids):
+        pieces += [text_ids[row : row + 1], function_ids[row : row + 1], *readback]
+    flat = mx.concatenate(pieces).tolist()  # the tick's first host round trip
+    values, offset = [], 0
+    for readback in ids:
+        width = 2 + len(readback)
+        values.append(flat[offset : offset + width])
+        offset += width
+
+    rests = []
+    for session, row in zip(sessions, values):
+        session._previous_ids = (row[0], row[1])
+        rests.append(session._transcript.schedule_rest(row[2]) if session._transcript.enabled else None)
+
+    codes: list[mx.array | None] = [None] * len(sessions)
+    stepping = []
+    for index, (session, row) in enumerate(zip(sessions, values)):
+        if session._timeline_index == 0:
+            codes[index] = session._speech.step(row[0], first=True)
+        else:
+            stepping.append(index)
+        session._timeline_index += 1
+    if len(stepping) == 1:
+        index = stepping[0]
+        with sessions[index]._rng.active():
+            codes[index] = sessions[index]._speech.step(values[index][0], first=False)
+    elif stepping:
+        tts = model.tts_model.tts_model
+        noise = []
+        for index in stepping:
+            with sessions[index]._rng.active():
+                noise.append(draw_noise(tts))
+        stepped = speech_step(
+            model, [sessions[i]._speech for i in stepping], [values[i][0] for i in stepping], noise
+        )
+        for index, code in zip(stepping, stepped):
+            codes[index] = code
+
+    cleans = [session._speech.helper._replace_control_codes(code) for session, code in zip(sessions, codes)]
+    decoded = codec_decode(
+        model.tts_model.audio_codec,
+        [clean.transpose(0, 2, 1) for clean in cleans],
+        [session._speech.codec_cache for session in sessions],
+    )
+    samples = [audio[0, 0] for audio in decoded]
+    arrays = [*samples, *cleans, *(rest for rest in rests if rest is not None)]
+    for session in sessions:
+        arrays += [
+            *session._conformer_arrays(),
+            *session._language.state_arrays(),
+            *session._speech.state_arrays(),
+            *session._transcript.state_arrays(),
+        ]
+    mx.eval(*arrays)  # the tick's second host round trip
+    sessions[0]._speech.evaluated()
+
+    results = []
+    for session, row, rest, audio, clean in zip(sessions, values, rests, samples, cleans):
+        symbols = row[2:] + (rest.tolist() if rest is not None else [])
+        results.append(session._frame_events(row[0], row[1], symbols, audio, clean))
+        session._frame_index += 1
+    return results

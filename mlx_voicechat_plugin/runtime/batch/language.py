@@ -1,0 +1,103 @@
+"""One Nemotron-H step for many sessions: row-wise layers on stacked rows, caches per session.
+
+Follows upstream ``mlx_vlm.models.nemotron_h.language.NemotronHModel.__call__`` and
+``NemotronHBlock.__call__`` for a single position (``L = 1``), with ``B`` sessions stacked
+as rows of ``(B, 1, hidden)``:
+
+* ``-`` / ``E`` blocks (MLP, MoE), the block norms, ``norm_f``, ``lm_head`` and
+  ``function_head`` run once over all rows (each row's products are computed as in a
+  one-row call; see :mod:`mlx_voicechat_plugin.runtime.batch` on row exactness);
+* ``M`` blocks (Mamba2) run once over all rows with the sessions' convolution and SSM
+  states stacked into one ``ArraysCache`` and split back afterwards;
+* ``*`` blocks (attention) run per session, each on its own row with its own ``KVCache``
+  (the sessions' key lengths differ).
+
+Every session must have used its caches already (a prefilled prompt or one frame): a
+fresh cache (``None`` state) or one whose mask is not ``None`` sends the whole step down the
+per-session path, which is the solo computation.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_vlm.models.base import create_attention_mask, create_ssm_mask
+from mlx_vlm.models.cache import ArraysCache
+
+
+def _stackable(llm, caches: list[list], rows: list[mx.array]) -> bool:
+    for cache, row in zip(caches, rows):
+        if cache is None:
+            return False
+        index = 0
+        for layer in llm.layers:
+            if layer.block_type not in "M*":
+                continue
+            entry = cache[index]
+            index += 1
+            if layer.block_type == "M":
+                if entry[0] is None or entry[1] is None or entry.lengths is not None:
+                    return False
+                if create_ssm_mask(row, entry) is not None:
+                    return False
+            elif create_attention_mask(row, entry) is not None:
+                return False
+    return True
+
+
+def _mamba(mixer, x: mx.array, entries: list) -> mx.array:
+    """The Mamba2 mixer over stacked rows with the sessions' states stacked."""
+    stacked = ArraysCache(size=2)
+    stacked[0] = mx.concatenate([entry[0] for entry in entries], axis=0)
+    stacked[1] = mx.concatenate([entry[1] for entry in entries], axis=0)
+    output = mixer(x, mask=None, cache=stacked)
+    for index, entry in enumerate(entries):
+        entry[0] = stacked[0][index : index + 1]
+        entry[1] = stacked[1][index : index + 1]
+        entry.advance(x.shape[1])
+    return output
+
+
+def language_step(model, states: list, fused: mx.array) -> tuple[mx.array, mx.array]:
+    """Advance every session's language model by one position.
+
+    Args:
+        model: the loaded VoiceChat model.
+        states: one :class:`~..streaming.stages.LanguageState` per row of ``fused``.
+        fused: ``(B, 1, hidden)`` fused inputs (text + audio + function embeddings), one
+            row per session, in the order of ``states``.
+
+    Returns:
+        ``(text_logits, function_logits)``, each ``(B, 1, vocab)``, row ``i`` equal to what
+        ``states[i].step(fused[i:i+1])`` returns alone.
+    """
+    stt = model.stt_model
+    llm = stt.llm
+    rows = [fused[index : index + 1] for index in range(len(states))]
+    caches = [state.cache for state in states]
+    if len(states) == 1 or not _stackable(llm, caches, rows):
+        outputs = [state.step(row) for state, row in zip(states, rows)]
+        return (
+            mx.concatenate([output.text_logits for output in outputs], axis=0),
+            mx.concatenate([output.function_logits for output in outputs], axis=0),
+        )
+    hidden = fused
+    index = 0
+    for layer in llm.layers:
+        normed = layer.norm(hidden)
+        if layer.block_type == "M":
+            mixed = _mamba(layer.mixer, normed, [cache[index] for cache in caches])
+            index += 1
+        elif layer.block_type == "*":
+            mixed = mx.concatenate(
+                [
+                    layer.mixer(normed[row : row + 1], mask=None, cache=cache[index])
+                    for row, cache in enumerate(caches)
+                ],
+                axis=0,
+            )
+            index += 1
+        else:
+            mixed = layer.mixer(normed)
+        hidden = hidden + mixed
+    hidden = llm.norm_f(hidden)
+    return stt.lm_head(hidden), stt.function_head(hidden)

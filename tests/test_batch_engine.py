@@ -1,0 +1,233 @@
+"""The batched multi-session engine (issue #14): isolation, lifecycle, limits, errors.
+
+Isolation is the acceptance criterion: every session's events, stepped in batches with
+sessions that join at different frames and run for different lengths, equal the same
+input, prompt and seed run alone (ids and all 31 codes exact, audio within 1e-6; on the
+CPU the audio is bit-identical) and upstream's streaming session.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_voicechat_plugin.runtime.batch import BatchedEngine, SessionLimitError, UnknownSessionError
+from mlx_voicechat_plugin.runtime.batch import frame as batch_frame
+from mlx_voicechat_plugin.runtime.streaming import (
+    ContextLimitError,
+    SampleRateError,
+    SessionClosedError,
+    StreamingOptions,
+    WrongThreadError,
+)
+
+from .conftest import SYSTEM_PROMPT
+
+FRAME = 1280
+
+
+def comparable(events):
+    """Events as plain tuples, audio codes included (samples compared separately)."""
+    rows = []
+    for event in events:
+        if event.kind == "audio":
+            rows.append(("audio", event.frame_index, tuple(int(c) for c in event.audio_codes)))
+        elif event.kind in ("done", "cancelled"):
+            rows.append((event.kind, event.frame_index))
+        else:
+            rows.append((event.kind, event.frame_index, getattr(event, "token_id", None), event.delta, event.text))
+    return rows
+
+
+def audio_of(events):
+    return np.concatenate([np.asarray(e.samples) for e in events if e.kind == "audio"])
+
+
+def solo(model, tokenizer, samples, options):
+    session = model.create_streaming_session(options, processor=tokenizer)
+    events = []
+    for start in range(0, len(samples), FRAME):
+        events += session.push_audio(samples[start : start + FRAME], 16000)
+    return events + session.flush()
+
+
+@pytest.fixture(scope="module")
+def inputs(speech_16k):
+    """Three sessions: different audio, prompts, seeds, join frames and lengths."""
+    return [
+        (speech_16k[: 9 * FRAME], StreamingOptions(system_prompt=SYSTEM_PROMPT, seed=0), 0),
+        (speech_16k[2 * FRAME : 8 * FRAME + 300], StreamingOptions(system_prompt="Hi there.", seed=7), 2),
+        (speech_16k[5 * FRAME : 10 * FRAME], StreamingOptions(system_prompt=None, seed=3), 1),
+    ]
+
+
+def run_batched(model, tokenizer, inputs):
+    """Feed each session one frame per tick from its join tick; flush at its end."""
+    engine = BatchedEngine(model, tokenizer)
+    ids: dict[int, str] = {}
+    events: dict[int, list] = {index: [] for index in range(len(inputs))}
+    tick = 0
+    while tick == 0 or len(engine):
+        for index, (samples, options, join) in enumerate(inputs):
+            if tick == join:
+                ids[index] = engine.open(options)
+            if index in ids and ids[index] in engine.session_ids:
+                offset = (tick - join) * FRAME
+                if offset < len(samples):
+                    engine.push_audio(ids[index], samples[offset : offset + FRAME])
+                    if offset + FRAME >= len(samples):
+                        engine.flush(ids[index])
+        for session_id, result in engine.tick().items():
+            assert result.error is None, result.error
+            owner = next(index for index, opened in ids.items() if opened == session_id)
+            events[owner] += result.events
+        tick += 1
+        assert tick < 50
+    return [events[index] for index in range(len(inputs))]
+
+
+def test_batched_sessions_equal_solo_runs(models, inputs, monkeypatch):
+    ours, tokenizer, *_ = models("tiny")
+    widths = []
+    step = batch_frame.speech_step
+
+    def spy(model, states, *args):
+        widths.append(len(states))
+        return step(model, states, *args)
+
+    monkeypatch.setattr(batch_frame, "speech_step", spy)
+    batched = run_batched(ours, tokenizer, inputs)
+    assert max(widths) == 3  # the three sessions really shared EAR-TTS steps
+    for (samples, options, _), events in zip(inputs, batched):
+        alone = solo(ours, tokenizer, samples, options)
+        assert comparable(events) == comparable(alone)
+        np.testing.assert_array_equal(audio_of(events), audio_of(alone))
+        assert events[-1].kind == "done"
+
+
+def test_batched_session_equals_upstream_streaming_session(models, inputs):
+    ours, tokenizer, upstream, processor = models("tiny")
+    batched = run_batched(ours, tokenizer, inputs)
+    samples, options, _ = inputs[0]
+    reference_session = upstream.create_session(processor).create_streaming_session(
+        system_prompt=options.system_prompt, seed=options.seed
+    )
+    reference = []
+    for start in range(0, len(samples), FRAME):
+        reference += reference_session.push_audio(mx.array(samples[start : start + FRAME]))
+    reference += reference_session.flush()
+    rows = []
+    for event in reference:
+        if event.kind == "audio":
+            rows.append(("audio", event.frame_index, tuple(event.audio_codes.tolist())))
+        elif event.kind in ("done", "cancelled"):
+            rows.append((event.kind, event.frame_index))
+        else:
+            rows.append((event.kind, event.frame_index, event.token_id, event.delta, event.text))
+    assert comparable(batched[0]) == rows
+    reference_audio = np.concatenate([np.array(e.samples.astype(mx.float32)) for e in reference if e.kind == "audio"])
+    assert np.abs(audio_of(batched[0]) - reference_audio).max() <= 1e-6
+
+
+def test_each_tick_advances_a_ready_session_by_one_frame(models, speech_16k):
+    ours, tokenizer, *_ = models("tiny")
+    engine = BatchedEngine(ours, tokenizer)
+    first, second = engine.open(), engine.open()
+    engine.push_audio(first, speech_16k[: 3 * FRAME])
+    engine.push_audio(second, speech_16k[:500])
+    assert engine.ready(first) and not engine.ready(second)
+    for expected in range(3):
+        results = engine.tick()
+        assert list(results) == [first]
+        assert [e.frame_index for e in results[first].events if e.kind == "audio"] == [expected]
+    assert not engine.has_work and engine.tick() == {}
+    assert engine.pending_samples(second) == 500
+    engine.flush(second)
+    results = engine.tick()
+    assert [e.kind for e in results[second].events][-2:] == ["audio", "done"]
+    assert results[second].finished and engine.session_ids == [first]
+    assert engine.cancel(first)[0].kind == "cancelled" and len(engine) == 0
+    assert engine.frames_processed == 4
+
+
+def test_cancel_and_flush_without_padding_leave_the_others_alone(models, inputs):
+    ours, tokenizer, *_ = models("tiny")
+    (samples, options, _), *_ = inputs
+    engine = BatchedEngine(ours, tokenizer)
+    kept, cancelled, unpadded = (engine.open(options) for _ in range(3))
+    events = []
+    for index in range(4):
+        chunk = samples[index * FRAME : (index + 1) * FRAME]
+        for session_id in engine.session_ids:
+            engine.push_audio(session_id, chunk)
+        if index == 1:
+            assert engine.cancel(cancelled)[0].frame_index == 1
+            engine.push_audio(unpadded, np.zeros(100, np.float32))
+            engine.flush(unpadded, pad_partial=False)
+        results = engine.tick()
+        events += results[kept].events
+        if index == 1:
+            assert results[unpadded].finished and results[unpadded].events[-1].kind == "done"
+            assert results[unpadded].events[-1].frame_index == 2
+    with pytest.raises(UnknownSessionError):
+        engine.push_audio(cancelled, samples[:FRAME])
+    engine.flush(kept, pad_partial=False)
+    events += engine.tick()[kept].events
+    alone = solo(ours, tokenizer, samples[: 4 * FRAME], options)
+    assert comparable(events) == comparable(alone)
+
+
+def test_limit_error_and_failure_stay_with_their_session(models, inputs):
+    ours, tokenizer, *_ = models("tiny")
+    (samples, options, _), *_ = inputs
+    engine = BatchedEngine(ours, tokenizer)
+    healthy = engine.open(options)
+    limited = engine.open(StreamingOptions(max_streaming_seconds=0.16))
+    broken = engine.open()
+
+    def explode(*_args, **_kwargs):
+        raise RuntimeError("perception blew up")
+
+    engine.session(broken)._perceive = explode
+    events = []
+    for index in range(4):
+        for session_id in engine.session_ids:
+            engine.push_audio(session_id, samples[index * FRAME : (index + 1) * FRAME])
+        results = engine.tick()
+        events += results[healthy].events
+        if index == 0:
+            assert results[broken].finished and "blew up" in str(results[broken].error)
+            assert broken not in engine.session_ids
+        if index == 2:
+            assert isinstance(results[limited].error, ContextLimitError)
+            assert limited in engine.session_ids  # still open: flush or cancel it
+    engine.flush(healthy)
+    events += engine.tick()[healthy].events
+    assert comparable(events) == comparable(solo(ours, tokenizer, samples[: 4 * FRAME], options))
+
+
+def test_slots_validation_and_thread(models):
+    ours, tokenizer, *_ = models("tiny")
+    engine = BatchedEngine(ours, tokenizer, max_sessions=1)
+    session_id = engine.open(session_id="a")
+    with pytest.raises(SessionLimitError):
+        engine.open()
+    with pytest.raises(SampleRateError):
+        engine.push_audio("a", np.zeros(10, np.float32), 8000)
+    assert engine.pending_samples(session_id) == 0
+    engine.flush("a")
+    with pytest.raises(SessionClosedError):
+        engine.push_audio("a", np.zeros(10, np.float32))
+    with pytest.raises(UnknownSessionError, match="no open session 'b'"):
+        engine.flush("b")
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(WrongThreadError, engine.tick)))
+    thread.start()
+    thread.join()
+    assert errors
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_sessions"):
+            BatchedEngine(ours, tokenizer, max_sessions=bad)
