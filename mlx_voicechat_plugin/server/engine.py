@@ -1,11 +1,18 @@
 """The realtime engine: one thread owns the model and every MLX call (spec "All MLX work
-runs on the engine thread").
+runs on the engine thread"), and ticks a :class:`~..runtime.batch.BatchedEngine`.
 
 Socket tasks submit ``open`` / ``push`` / ``flush`` / ``cancel`` / ``close`` commands over a
-queue and await a one-shot reply (a ``concurrent.futures.Future``). The engine serialises
-each event (base64 audio included) before replying, so the event loop only sends text.
-The engine also holds the single session slot. The MLX buffer cache is cleared when a
-session closes, never per frame.
+queue and await a one-shot reply (a ``concurrent.futures.Future``). The engine thread
+drains every queued command, then runs one **tick**: each session with a frame ready
+advances by one 80 ms frame, all of them in one batched step; a ``push`` or ``flush`` is
+answered once its session has no complete frame left (a connection sends one 1280-sample
+slice per ``push``, so one tick answers it). The engine never waits for a socket: a slow
+client only delays its own next ``push``, and is dropped by its own send deadline.
+
+The engine serialises each event (base64 audio included) before replying, so the event
+loop only sends text. It also holds the ``max_sessions`` slots (1 by default: a second
+connection gets ``server_busy``). The MLX buffer cache is cleared when the last session
+closes, never per frame.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .metrics import ServerMetrics
 from .protocol import (
     INFERENCE_ERROR,
     SESSION_INITIALIZATION_FAILED,
@@ -46,25 +54,42 @@ class _Command:
     future: concurrent.futures.Future
 
 
+def _error_reply(events: list[dict], error: BaseException) -> Reply:
+    from ..runtime.streaming import StreamingError
+
+    if isinstance(error, StreamingError):
+        return Reply(events=events, error=ProtocolError(INFERENCE_ERROR, str(error)))
+    return Reply(events=events, error=ProtocolError(INFERENCE_ERROR, f"model failure: {error}"))
+
+
 class RealtimeEngine:
-    """Dedicated MLX thread with a single-session reservation.
+    """Dedicated MLX thread with ``max_sessions`` session slots.
 
     Args:
         loader: called once on the engine thread; returns ``(model, tokenizer)``.
+        max_sessions: sessions served at once (default 1, the spec's single slot).
+
+    Raises:
+        ValueError: ``max_sessions`` is not a positive integer.
     """
 
-    def __init__(self, loader: Callable[[], tuple[Any, Any]]):
+    def __init__(self, loader: Callable[[], tuple[Any, Any]], max_sessions: int = 1):
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ValueError(f"max_sessions must be a positive integer, got {max_sessions!r}")
         self._loader = loader
+        self.max_sessions = max_sessions
+        self.metrics = ServerMetrics(max_sessions)
         self._commands: queue.Queue[_Command | None] = queue.Queue()
         self._slot_lock = threading.Lock()
-        self._reserved: str | None = None
+        self._reserved: set[str] = set()
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="voicechat-engine", daemon=True)
         self.model = None
         self.tokenizer = None
-        self._session = None
-        self._session_id: str | None = None
+        self._batch = None
+        # session id -> (future, serialised events so far) of a push/flush waiting for ticks
+        self._waiting: dict[str, tuple[concurrent.futures.Future, list[dict]]] = {}
 
     # -------------------------------------------------------------- lifecycle
     def start(self, timeout: float | None = None) -> None:
@@ -81,7 +106,7 @@ class RealtimeEngine:
             raise RuntimeError(f"could not load the checkpoint: {self._load_error}") from self._load_error
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel any session, stop the thread and wait for it."""
+        """Cancel every session, stop the thread and wait for it."""
         if self._thread.is_alive():
             self._commands.put(None)
             self._thread.join(timeout)
@@ -91,25 +116,33 @@ class RealtimeEngine:
         """True while the engine thread runs with a loaded model."""
         return self._thread.is_alive() and self._ready.is_set() and self._load_error is None
 
-    # -------------------------------------------------------------- session slot
+    # -------------------------------------------------------------- session slots
     def try_reserve(self, session_id: str) -> bool:
-        """Take the single session slot; False when another connection holds it."""
+        """Take a session slot; False (counted as ``server_busy``) when all are held."""
         with self._slot_lock:
-            if self._reserved is not None:
+            if len(self._reserved) >= self.max_sessions:
+                self.metrics.reject("server_busy")
                 return False
-            self._reserved = session_id
+            self._reserved.add(session_id)
+            self.metrics.sessions_active.set(len(self._reserved))
             return True
 
     def release(self, session_id: str) -> None:
-        """Give the slot back (no-op unless ``session_id`` holds it)."""
+        """Give the slot back (no-op unless ``session_id`` holds one)."""
         with self._slot_lock:
-            if self._reserved == session_id:
-                self._reserved = None
+            self._reserved.discard(session_id)
+            self.metrics.sessions_active.set(len(self._reserved))
+
+    @property
+    def sessions_active(self) -> int:
+        """Slots held by connections (configured or not)."""
+        with self._slot_lock:
+            return len(self._reserved)
 
     @property
     def slot_free(self) -> bool:
-        with self._slot_lock:
-            return self._reserved is None
+        """True while at least one slot is free."""
+        return self.sessions_active < self.max_sessions
 
     # -------------------------------------------------------------- commands
     def submit(self, kind: str, session_id: str, **payload) -> concurrent.futures.Future:
@@ -129,38 +162,90 @@ class RealtimeEngine:
     def _run(self) -> None:
         try:
             self.model, self.tokenizer = self._loader()
+            from ..runtime.batch import BatchedEngine
+
+            self._batch = BatchedEngine(self.model, self.tokenizer, max_sessions=self.max_sessions)
         except BaseException as error:  # noqa: BLE001 - reported through start()
             self._load_error = error
             self._ready.set()
             return
         self._ready.set()
         while True:
-            command = self._commands.get()
-            if command is None:
-                self._drop_session()
-                break
-            try:
-                reply = self._execute(command)
-            except Exception as error:  # noqa: BLE001 - a model failure must not kill the thread
-                logger.exception("realtime command %s failed", command.kind)
-                reply = Reply(error=ProtocolError(INFERENCE_ERROR, f"model failure: {error}"))
+            commands = [self._commands.get()] if not self._waiting else []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command is None:
+                    self._shutdown()
+                    return
+                self._handle(command)
+            if self._waiting:
+                self._tick()
+
+    def _handle(self, command: _Command) -> None:
+        try:
+            reply = self._execute(command)
+        except Exception as error:  # noqa: BLE001 - a model failure must not kill the thread
+            logger.exception("realtime command %s failed", command.kind)
+            reply = Reply(error=ProtocolError(INFERENCE_ERROR, f"model failure: {error}"))
+        if reply is not None:
             command.future.set_result(reply)
 
-    def _drop_session(self) -> None:
-        if self._session is not None:
-            if not self._session.closed:
-                self._session.cancel()
-            self._session = None
-            self._session_id = None
-            import mlx.core as mx
+    def _tick(self) -> None:
+        batch = self._batch
+        before = batch.frames_processed
+        try:
+            results = batch.tick()
+        except Exception as error:  # noqa: BLE001 - answer everyone waiting, keep serving
+            logger.exception("realtime tick failed")
+            for session_id in list(self._waiting):
+                batch.close(session_id)
+                future, events = self._waiting.pop(session_id)
+                future.set_result(_error_reply(events, error))
+            return
+        frames = batch.frames_processed - before
+        if frames:
+            self.metrics.observe_tick(batch.last_tick_seconds, frames)
+        for session_id, result in results.items():
+            waiting = self._waiting.get(session_id)
+            if waiting is None:  # nobody asked (cannot happen: every ready session waits)
+                continue
+            future, events = waiting
+            events.extend(serialize_event(event) for event in result.events)
+            if result.error is not None:
+                del self._waiting[session_id]
+                future.set_result(_error_reply(events, result.error))
+            elif result.finished or not batch.ready(session_id):
+                del self._waiting[session_id]
+                future.set_result(Reply(events=events))
+        if not len(batch):
+            self._clear_cache()
 
-            mx.clear_cache()
+    def _shutdown(self) -> None:
+        for session_id in self._batch.session_ids:
+            self._batch.close(session_id)
+        for future, events in self._waiting.values():
+            future.set_result(Reply(events=events, error=ProtocolError(INFERENCE_ERROR, "the server is shutting down")))
+        self._waiting.clear()
+        self._clear_cache()
 
-    def _execute(self, command: _Command) -> Reply:
-        from ..runtime.streaming import ContextLimitError, StreamingError, StreamingOptions
+    @staticmethod
+    def _clear_cache() -> None:
+        import mlx.core as mx
 
+        mx.clear_cache()
+
+    def _execute(self, command: _Command) -> Reply | None:
+        """Run one command; None when the reply waits for ticks (push, flush)."""
+        from ..runtime.streaming import StreamingError, StreamingOptions
+
+        batch = self._batch
+        session_id = command.session_id
         if command.kind == "open":
-            if self._session is not None:
+            if session_id in batch.session_ids:
                 return Reply(error=ProtocolError(SESSION_INITIALIZATION_FAILED, "a session is already open"))
             config: SessionConfig = command.payload["config"]
             try:
@@ -169,32 +254,35 @@ class RealtimeEngine:
                     seed=config.seed,
                     max_streaming_seconds=config.max_streaming_seconds,
                 )
-                self._session = self.model.create_streaming_session(options, processor=self.tokenizer)
-            except (ValueError, TypeError) as error:
+                batch.open(options, session_id=session_id)
+            except (ValueError, TypeError, StreamingError) as error:
                 return Reply(error=ProtocolError(SESSION_INITIALIZATION_FAILED, str(error)))
-            self._session_id = command.session_id
             return Reply()
         if command.kind == "close":
-            if self._session_id == command.session_id:
-                self._drop_session()
+            if session_id in batch.session_ids:
+                batch.close(session_id)
+                if not len(batch):
+                    self._clear_cache()
             return Reply()
-        if self._session is None or self._session_id != command.session_id:
+        if session_id not in batch.session_ids:
             return Reply(error=ProtocolError(INFERENCE_ERROR, "no active session for this connection"))
-        session = self._session
+        if session_id in self._waiting:
+            return Reply(error=ProtocolError(INFERENCE_ERROR, "the previous command of this session is still running"))
         try:
             if command.kind == "push":
-                events = session.push_audio(command.payload["samples"], command.payload.get("sample_rate", 16000))
+                batch.push_audio(session_id, command.payload["samples"], command.payload.get("sample_rate", 16000))
+                if not batch.ready(session_id):
+                    return Reply()
             elif command.kind == "flush":
-                events = session.flush(pad_partial=command.payload["pad_partial"])
+                batch.flush(session_id, pad_partial=command.payload["pad_partial"])
             elif command.kind == "cancel":
-                events = session.cancel()
+                events = batch.cancel(session_id)
+                if not len(batch):
+                    self._clear_cache()
+                return Reply(events=[serialize_event(event) for event in events])
             else:
                 raise ValueError(f"unknown engine command {command.kind!r}")
-        except ContextLimitError as error:
-            return Reply(
-                events=[serialize_event(event) for event in error.events],
-                error=ProtocolError(INFERENCE_ERROR, str(error)),
-            )
         except StreamingError as error:
             return Reply(error=ProtocolError(INFERENCE_ERROR, str(error)))
-        return Reply(events=[serialize_event(event) for event in events])
+        self._waiting[session_id] = (command.future, [])
+        return None

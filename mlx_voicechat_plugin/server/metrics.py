@@ -1,0 +1,88 @@
+"""Prometheus metrics of the realtime server (``GET /metrics``, text exposition format).
+
+One :class:`ServerMetrics` per engine, each with its own ``prometheus_client``
+``CollectorRegistry`` (several servers in one process, as in the tests, do not share
+counters):
+
+=====================================================  ==========================================
+``voicechat_sessions_active``                          sessions holding a slot (gauge)
+``voicechat_sessions_max``                             slots (``--max-sessions``, gauge)
+``voicechat_frames_processed_total``                   80 ms frames run, all sessions (counter)
+``voicechat_tick_seconds``                             wall time of one engine tick (histogram)
+``voicechat_tick_sessions``                            sessions advanced by the last tick (gauge)
+``voicechat_realtime_factor``                          last tick's time / 80 ms (gauge; above 1
+                                                       the sessions fall behind real time)
+``voicechat_rejected_connections_total{reason}``       refused connections: ``server_busy``,
+                                                       ``unauthorized``, ``origin`` (counter)
+=====================================================  ==========================================
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+#: Tick-time histogram buckets (seconds): a tick should stay well under one 80 ms frame.
+TICK_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.24, 0.32, 0.5, 1.0, 2.0)
+#: ``reason`` labels of the rejected-connections counter.
+REJECT_REASONS = ("server_busy", "unauthorized", "origin")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """The server's metrics in their own registry.
+
+    Args:
+        sessions_max: the number of session slots.
+        frame_seconds: one frame's duration (0.08 s), the realtime-factor denominator.
+    """
+
+    def __init__(self, sessions_max: int, frame_seconds: float = 0.08):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.frame_seconds = frame_seconds
+        self.sessions_active = Gauge(
+            "voicechat_sessions_active", "Realtime sessions holding a slot", registry=self.registry
+        )
+        self.sessions_max = Gauge("voicechat_sessions_max", "Realtime session slots", registry=self.registry)
+        self.sessions_max.set(sessions_max)
+        self.frames = Counter(
+            "voicechat_frames_processed", "80 ms frames processed, all sessions", registry=self.registry
+        )
+        self.tick_seconds = Histogram(
+            "voicechat_tick_seconds",
+            "Wall time of one engine tick (every ready session advanced by one frame)",
+            buckets=TICK_BUCKETS,
+            registry=self.registry,
+        )
+        self.tick_sessions = Gauge(
+            "voicechat_tick_sessions", "Sessions advanced by the last tick", registry=self.registry
+        )
+        self.realtime_factor = Gauge(
+            "voicechat_realtime_factor",
+            "Last tick's wall time divided by the 80 ms frame (above 1: slower than real time)",
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "voicechat_rejected_connections",
+            "Connections refused, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason)
+
+    def observe_tick(self, seconds: float, frames: int) -> None:
+        """Record one tick that ran ``frames`` frames (one per session) in ``seconds``."""
+        self.frames.inc(frames)
+        self.tick_seconds.observe(seconds)
+        self.tick_sessions.set(frames)
+        self.realtime_factor.set(seconds / self.frame_seconds)
+
+    def reject(self, reason: str) -> None:
+        """Count a refused connection (``reason`` one of :data:`REJECT_REASONS`)."""
+        self.rejected.labels(reason=reason).inc()
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return generate_latest(self.registry)
