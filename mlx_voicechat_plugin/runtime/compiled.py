@@ -28,6 +28,7 @@ is on when the default device is a GPU and off on the CPU (see ``docs/performanc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -44,10 +45,15 @@ BLOCKS = frozenset({
     "MLPLayer",  # EAR-TTS MoG head: norm, MLP, norm, residual
     "NemotronHMLP",
     "FeedForward",  # mlx-audio conformer feed-forward modules
+    # norms (on the CPU backend MLX's fast norms are graphs of 6-10 operations)
+    "RMSNorm", "LayerNorm", "OffsetRMSNorm", "CachedGemmaRMSNorm", "CachedOffsetRMSNorm",
+    "KernelRMSNorm", "ChannelLayerNorm", "MambaRMSNormGated",
+    "ConformerConvolution", "FastConvNeXtBlock1d", "ConvNeXtBlock1d",
 })
 
 _lock = threading.Lock()
 _MARK = "_compiled_blocks"  # set on a model once install() has run on it
+_switch = {"active": True}
 
 
 def compile_requested(device: mx.Device | None = None) -> bool:
@@ -96,15 +102,15 @@ def compiled_call(function, *, random: bool = False):
 
     Returns:
         A function with the same signature and results. The first call per input
-        signature (shapes and dtypes), and any call with keyword or non-array arguments,
-        runs ``function`` itself.
+        signature (shapes and dtypes), any call with keyword or non-array arguments, and
+        any call inside :func:`suspended` runs ``function`` itself.
     """
     state = [mx.random.state] if random else None
     compiled = mx.compile(function, inputs=state, outputs=state) if random else mx.compile(function)
     seen: set = set()
 
     def call(*args, **kwargs):
-        signature = None if kwargs else _signature(args)
+        signature = None if kwargs or not _switch["active"] else _signature(args)
         if signature is None:
             return function(*args, **kwargs)
         if signature not in seen:
@@ -116,11 +122,24 @@ def compiled_call(function, *, random: bool = False):
     return call
 
 
+@contextlib.contextmanager
+def suspended():
+    """Run installed compiled blocks uncompiled inside the block (process-wide; for A/B
+    measurements in one process, e.g. the bench)."""
+    previous, _switch["active"] = _switch["active"], False
+    try:
+        yield
+    finally:
+        _switch["active"] = previous
+
+
 def _compiled_subclass(cls: type) -> type:
     def __call__(self, *args, **kwargs):
         call = self.__dict__.get("_compiled_call")
         if call is None:
-            call = self.__dict__["_compiled_call"] = compiled_call(lambda *a: cls.__call__(self, *a))
+            call = self.__dict__["_compiled_call"] = compiled_call(
+                lambda *a, **k: cls.__call__(self, *a, **k)
+            )
         return call(*args, **kwargs)
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "__doc__": cls.__doc__, "_compiled_from": cls})

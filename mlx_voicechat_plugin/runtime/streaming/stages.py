@@ -24,6 +24,7 @@ from mlx_audio.stt.models.nemotron_asr import tokenizer as rnnt_tokenizer
 from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram_frames
 
 from ...model.parallel import on_side_stream
+from .. import compiled
 from ..transcript import masked_step
 
 
@@ -85,6 +86,9 @@ class TranscriptState:
 
     def __init__(self, model):
         self.model = model
+        # The masked steps have fixed shapes: compiled where the model's blocks are.
+        step = self._masked_step
+        self._step = compiled.compiled_call(step) if compiled.installed(model) else step
         self.reset()
 
     def reset(self) -> None:
@@ -94,6 +98,7 @@ class TranscriptState:
         self.text = ""
         self._scheduled = None
         self._encoded = None
+        self._dtype = None
         self._projected = None
 
     @property
@@ -111,7 +116,7 @@ class TranscriptState:
             ``(1,)`` int32: the first symbol, or -1 for blank.
         """
         blank = self.model.config.rnnt_blank_id
-        self._encoded = encoded
+        self._encoded, self._dtype = encoded, encoded.dtype
         with on_side_stream():
             token = mx.array([[self.last_token]], dtype=mx.int32) if self.last_token != blank else None
             symbol, hidden = self._decode(token, self.hidden, encoded)
@@ -128,22 +133,28 @@ class TranscriptState:
             ``(max_symbols - 1,)`` int32 symbols then -1, or None when ``first`` was blank.
         """
         config = self.model.config
-        blank = config.rnnt_blank_id
         steps = config.audio_config.max_symbols
         if first < 0 or steps < 2:
             return None
         encoded, hidden = self._encoded, self._scheduled
         with on_side_stream():
+            projected = self._projection(encoded)
             last = mx.array([[first]], dtype=mx.int32)
             active = mx.array(True)
             symbols = []
             for _ in range(1, steps):
-                symbol, last, hidden, active = masked_step(
-                    lambda last, hidden: self._decode(last, hidden, encoded), last, hidden, active, blank
-                )
+                symbol, last, hidden, active = self._step(last, hidden, active, projected)
                 symbols.append(symbol)
             self._scheduled = hidden
             return mx.stack(symbols).reshape(-1)
+
+    def _masked_step(self, last, hidden, active, projected):
+        """One :func:`~..transcript.masked_step` of :meth:`_decode` from the projected frame
+        (``self._dtype``: the encoder frames' dtype, fixed per model)."""
+        return masked_step(
+            lambda last, hidden: self._decode_projected(last, hidden, projected, self._dtype),
+            last, hidden, active, self.model.config.rnnt_blank_id,
+        )
 
     def _projection(self, encoded):
         """The joint's encoder projection of this frame, computed once per frame."""
@@ -165,9 +176,13 @@ class TranscriptState:
         The joint is upstream ``JointNetwork.__call__`` with its encoder projection
         computed once per frame (the same operation on the same input at every step).
         """
+        return self._decode_projected(token, hidden, self._projection(encoded), encoded.dtype)
+
+    def _decode_projected(self, token, hidden, projected, dtype):
+        """:meth:`_decode` from the frame's joint projection; ``dtype``: the encoder frames'."""
         prediction, proposed = self.model.stt_model.rnnt_decoder(token, hidden)
-        symbol = self._joint_argmax(self._projection(encoded), prediction.astype(encoded.dtype))
-        return symbol, tuple(value.astype(encoded.dtype) for value in proposed)
+        symbol = self._joint_argmax(projected, prediction.astype(dtype))
+        return symbol, tuple(value.astype(dtype) for value in proposed)
 
     def commit(self, symbols: list[int]) -> tuple[str, str] | None:
         """Apply the read-back symbols of :meth:`schedule`; return ``(delta, text)`` on change."""
