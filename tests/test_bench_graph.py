@@ -106,3 +106,14 @@ def test_cpu_layer_status_asks_the_layer_and_tolerates_its_absence(monkeypatch):
 
     layer.status = broken
     assert machine.cpu_layer_status() == "unknown (OSError: no compiler)"
+
+
+def test_views_are_counted_apart_from_kernels():
+    x = mx.array([[1.0, 2.0], [3.0, 4.0]])
+    with graph.GraphCounter() as counter:
+        y = mx.exp(x.T.reshape(-1)) + 1.0  # Transpose, Reshape, Broadcast: views
+        mx.eval(y)
+        count = counter.frame()
+    assert count.primitives == count.kernels + count.by_primitive["Transpose"] + count.by_primitive[
+        "Reshape"] + count.by_primitive["Broadcast"]
+    assert count.kernels == 2  # Exp, Add

@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bits", nargs="+", default=["bf16", "4"], help="bf16 and/or 4 / 8")
     parser.add_argument("--model", nargs="+", type=Path, default=[], metavar="PATH",
                         help="checkpoint directories to measure besides the presets (as stored)")
+    parser.add_argument("--compile", choices=("ab", "on", "off", "auto"), default="ab",
+                        help="compiled blocks for ours: ab = on, and also timed/counted suspended "
+                             "(default); on / off; auto = as MLX_VOICECHAT_COMPILE decides")
     parser.add_argument("--graph-frames", type=int, default=10,
                         help="frames whose primitives, evaluations and weight bytes are counted (0: skip)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..demo import default_checkpoint
     from ..loading import load
     from ..registration.hooks import upstream_models
+    from ..runtime import compiled
     from ..runtime.audio_io import read_audio
     from . import floor, machine, offline, report, streaming
 
@@ -76,7 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         path = preset if bits is None else default_checkpoint(preset, None if bits == "bf16" else int(bits))
         print(f"[bench] streaming {name} ...", file=sys.stderr)
         ours, tokenizer, upstream, processor, rss = load_pair(path)
-        results["streaming"][name] = streaming.run(ours, tokenizer, upstream, processor, samples, args.repeats)
+        if args.compile in ("ab", "on"):
+            compiled.install(ours, force=True)
+        elif args.compile == "off":
+            os.environ[compiled.COMPILE_ENV] = "0"  # the sessions install nothing
+        results["streaming"][name] = streaming.run(
+            ours, tokenizer, upstream, processor, samples, args.repeats, compile_ab=args.compile == "ab"
+        )
         if args.graph_frames > 0:
             results["graph"][name] = streaming.graph_counts(
                 ours, tokenizer, upstream, processor, samples, args.graph_frames
@@ -108,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     summary = report.summary_table(results["streaming"], results["floors"])
+    compile_text = report.compile_table(results["streaming"], results["graph"])
     stages = report.streaming_table(results["streaming"])
     offline_text = report.offline_table(results["offline"]) if "offline" in results else ""
     graph_text = report.graph_table(results["graph"]) if results["graph"] else ""
@@ -119,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     if graph_text:
         print()
         print(graph_text)
+    if compile_text:
+        print()
+        print(compile_text)
     if offline_text:
         print()
         print(offline_text)
@@ -149,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             "wall times above):\n\n"
             f"{stages}\n\n"
             + (f"## What a frame asks of the device\n\n{graph_text}\n\n" if graph_text else "")
+            + (f"## Compiled blocks on / off (ours, same run)\n\n{compile_text}\n\n" if compile_text else "")
             + (f"## Offline turn\n\n{offline_text}\n\n" if offline_text else "")
             + "## Memory\n\n| checkpoint | f32 pinning extra MiB | RSS growth at load MiB | peak RSS MiB |\n"
             "|---|---:|---:|---:|\n" + memory + "\n"

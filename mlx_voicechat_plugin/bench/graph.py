@@ -11,6 +11,9 @@ Python access to an array's inputs) and records:
 * **primitives**: the primitive nodes (``Add``, ``Matmul``, ``Compiled``, a custom
   kernel...) the evaluation will run; an evaluated array is a source, so a node is
   counted once, at the evaluation that computes it;
+* **kernels**: the primitives that are not views (:data:`VIEWS`), an estimate of the
+  kernels a GPU launches (MLX's ``fast`` norms and attention are single kernels on a
+  GPU but graphs of several primitives on the CPU, where this is counted);
 * **evaluations**: readbacks and ``mx.eval`` calls whose graph has at least one
   primitive (host synchronisations; ``async_eval`` is counted as a primitive source
   but not as a synchronisation);
@@ -36,6 +39,12 @@ _NODE = re.compile(r'^\{ (\d+) \[label ="([^"]*)", shape=rectangle\]; \}$')
 _EDGE = re.compile(r'^"([^"]+)" -> (\d+)$')
 _READBACKS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "__array__")
 _PARTIAL_READERS = frozenset({"Gather", "GatherAxis", "Slice", "Take"})
+#: Primitives that make a view of their input (no kernel on a GPU, as a rule: a reshape
+#: of a non-contiguous array copies).
+VIEWS = frozenset({
+    "Broadcast", "BroadcastAxes", "Reshape", "Squeeze", "ExpandDims", "Transpose", "Flatten",
+    "Unflatten", "Slice", "AsStrided", "Split", "StopGradient", "Depends",
+})
 
 
 @dataclass
@@ -120,6 +129,7 @@ class FrameCount:
     """What one frame (or any counted span) evaluated."""
 
     primitives: int = 0
+    kernels: int = 0
     evaluations: int = 0
     weight_bytes: int = 0
     table_bytes: int = 0
@@ -171,6 +181,7 @@ class GraphCounter:
         if result.total == 0:
             return
         self._current.primitives += result.total
+        self._current.kernels += sum(n for name, n in result.primitives.items() if name not in VIEWS)
         self._current.by_primitive.update(result.primitives)
         self._current.evaluations += int(synchronises)
         for name, consumers in result.named_consumers.items():

@@ -124,17 +124,43 @@ def graph_table(graph: dict) -> str:
     """Per streamed frame: primitives, host evaluations and weight bytes, ours vs upstream."""
     lines = [
         "| checkpoint | frames | ours primitives/frame (max) | upstream primitives/frame (max) | ours / upstream "
-        "| ours evaluations/frame (max) | upstream evaluations/frame (max) | ours weight MB/frame "
-        "| upstream weight MB/frame | ours / upstream tables MB |",
-        "|---|---:|---:|---:|---:|---|---|---:|---:|---|",
+        "| ours / upstream non-view primitives | ours evaluations/frame (max) | upstream evaluations/frame (max) "
+        "| ours weight MB/frame | upstream weight MB/frame | ours / upstream tables MB |",
+        "|---|---:|---:|---:|---:|---|---|---|---:|---:|---|",
     ]
     for name, row in graph.items():
         ours, up = row["ours"], row["upstream"]
         lines.append(
             f"| {name} | {ours['frames']} | {ours['primitives']:.0f} ({ours['primitives_max']}) | "
             f"{up['primitives']:.0f} ({up['primitives_max']}) | {row['primitives_ratio']:.2f} | "
+            f"{ours['kernels']:.0f} / {up['kernels']:.0f} ({row['kernels_ratio']:.2f}) | "
             f"{ours['evaluations']:.1f} ({ours['evaluations_max']}) | {up['evaluations']:.1f} ({up['evaluations_max']}) | "
             f"{ours['weight_bytes'] / 1e6:.1f} | {up['weight_bytes'] / 1e6:.1f} | "
             f"{ours['table_bytes'] / 1e6:.1f} / {up['table_bytes'] / 1e6:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def compile_table(results: dict, graph: dict) -> str:
+    """Ours with compiled blocks on vs suspended, same run: wall ms/frame and primitives/frame.
+
+    Empty when the run had no A/B (``--compile ab``)."""
+    rows = [name for name, row in results.items() if "ours_wall_uncompiled" in row]
+    if not rows:
+        return ""
+    lines = [
+        "| checkpoint | compiled ms/frame mean (p50) | uncompiled ms/frame mean (p50) | compiled speed-up "
+        "| compiled primitives/frame | uncompiled primitives/frame |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in rows:
+        row = results[name]
+        on, off = row["ours_wall"], row["ours_wall_uncompiled"]
+        counts = graph.get(name, {})
+        on_count = f"{counts['ours']['primitives']:.0f}" if "ours" in counts else "-"
+        off_count = f"{counts['ours_uncompiled']['primitives']:.0f}" if "ours_uncompiled" in counts else "-"
+        lines.append(
+            f"| {name} | {on['mean_ms']:.1f} ({on['p50_ms']:.1f}) | {off['mean_ms']:.1f} ({off['p50_ms']:.1f}) | "
+            f"{row['compile_speedup_mean']:.2f}x | {on_count} | {off_count} |"
         )
     return "\n".join(lines)

@@ -103,18 +103,32 @@ def _stats(rows: list[dict]) -> dict:
     return out
 
 
-def run(ours, tokenizer, upstream, processor, samples: np.ndarray, repeats: int) -> dict:
-    """Warm up both, then ``repeats`` interleaved runs; cold frames dropped."""
+def run(ours, tokenizer, upstream, processor, samples: np.ndarray, repeats: int, compile_ab: bool = False) -> dict:
+    """Warm up both, then ``repeats`` interleaved runs; cold frames dropped.
+
+    With ``compile_ab`` (ours has :func:`~..runtime.compiled.install` ed blocks), each
+    repetition also times ours with the compiled blocks suspended (``ours_wall_uncompiled``).
+    """
+    from ..runtime import compiled
+
     _ours(ours, tokenizer, samples)
     _upstream(upstream, processor, samples)
     _ours_wall(ours, tokenizer, samples)
     _upstream_wall(upstream, processor, samples)
     our_rows, up_rows, syncs = [], [], []
-    our_wall, up_wall = [], []
+    our_wall, up_wall, plain_wall = [], [], []
     identical = True
+    if compile_ab:
+        with compiled.suspended():
+            _ours_wall(ours, tokenizer, samples)
     for _ in range(repeats):
         times, our_events = _ours_wall(ours, tokenizer, samples)
         our_wall += times
+        if compile_ab:
+            with compiled.suspended():
+                times, plain_events = _ours_wall(ours, tokenizer, samples)
+            plain_wall += times
+            identical &= plain_events == our_events
         times, up_events = _upstream_wall(upstream, processor, samples)
         up_wall += times
         identical &= our_events == up_events and bool(our_events[0])
@@ -126,7 +140,12 @@ def run(ours, tokenizer, upstream, processor, samples: np.ndarray, repeats: int)
         identical &= our_ids == up_ids
     ours_stats, up_stats = _stats(our_rows), _stats(up_rows)
     ours_wall, upstream_wall = _summary(our_wall), _summary(up_wall)
+    extra = {}
+    if compile_ab:
+        extra["ours_wall_uncompiled"] = _summary(plain_wall)
+        extra["compile_speedup_mean"] = extra["ours_wall_uncompiled"]["mean_ms"] / ours_wall["mean_ms"]
     return {
+        **extra,
         "frames_per_run": len(our_rows) // max(repeats, 1),
         "repeats": repeats,
         "events_identical": bool(identical),
@@ -164,6 +183,7 @@ def _counted(push, samples, to_input, model, frames: int) -> dict:
         "frames": len(counts),
         "primitives": float(np.mean([c.primitives for c in counts])),
         "primitives_max": int(max(c.primitives for c in counts)),
+        "kernels": float(np.mean([c.kernels for c in counts])),
         "evaluations": float(np.mean([c.evaluations for c in counts])),
         "evaluations_max": int(max(c.evaluations for c in counts)),
         "weight_bytes": float(np.mean([c.weight_bytes for c in counts])),
@@ -179,17 +199,28 @@ def graph_counts(ours, tokenizer, upstream, processor, samples: np.ndarray, fram
     :class:`~.graph.GraphCounter` (untimed: walking the graph costs time).
 
     Returns:
-        ``{"ours": {...}, "upstream": {...}, "primitives_ratio": ours / upstream}``.
+        ``{"ours": {...}, "upstream": {...}, "primitives_ratio": ours / upstream}``, plus
+        ``"ours_uncompiled"`` when ours has compiled blocks (counted with them suspended).
     """
     import mlx.core as mx
+
+    from ..runtime import compiled
 
     session = ours.create_streaming_session(processor=tokenizer, seed=0, profile=False)
     our_counts = _counted(session.push_audio, samples, lambda chunk: chunk, ours, frames)
     session.cancel()
+    extra = {}
+    if compiled.installed(ours):
+        with compiled.suspended():
+            session = ours.create_streaming_session(processor=tokenizer, seed=0, profile=False)
+            extra["ours_uncompiled"] = _counted(session.push_audio, samples, lambda chunk: chunk, ours, frames)
+            session.cancel()
     up_session = upstream.create_session(processor).create_streaming_session(seed=0, profile=False)
     up_counts = _counted(up_session.push_audio, samples, mx.array, upstream, frames)
     return {
+        **extra,
         "ours": our_counts,
         "upstream": up_counts,
         "primitives_ratio": our_counts["primitives"] / up_counts["primitives"],
+        "kernels_ratio": our_counts["kernels"] / up_counts["kernels"],
     }
