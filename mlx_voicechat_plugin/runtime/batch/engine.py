@@ -52,8 +52,8 @@ class TickResult:
         events: the frame's events (and :class:`~..streaming.Done` when the session
             finished its flush), in order.
         error: a :class:`~..streaming.ContextLimitError` (the session stays open: flush
-            with ``pad_partial=False`` or cancel), or the exception a failed frame raised
-            (the session is closed).
+            with ``pad_partial=False`` or cancel), or the exception a frame raised (the
+            session is closed when its state can no longer be trusted, see ``finished``).
         finished: the session is closed and removed from the engine.
     """
 
@@ -127,9 +127,8 @@ class BatchedEngine:
             session_id = f"session-{next(self._ids)}"
         if session_id in self._slots:
             raise ValueError(f"session {session_id!r} is already open")
-        from ..streaming import StreamingSession
-
-        self._slots[session_id] = _Slot(StreamingSession(self.model, self.tokenizer, options))
+        session = self.model.create_streaming_session(options, processor=self.tokenizer)
+        self._slots[session_id] = _Slot(session)
         return session_id
 
     def session(self, session_id: str):
@@ -227,9 +226,10 @@ class BatchedEngine:
                 continue
             for (session_id, slot, _), events in zip(group, outputs):
                 if isinstance(events, BaseException):
-                    slot.session._fail(events)
-                    self._slots.pop(session_id, None)
-                    results[session_id] = TickResult(error=events, finished=True)
+                    finished = slot.session.closed  # failed inside its frame: state unusable
+                    if finished:
+                        self._slots.pop(session_id, None)
+                    results[session_id] = TickResult(error=events, finished=finished)
                     continue
                 results.setdefault(session_id, TickResult()).events.extend(events)
                 self.frames_processed += 1

@@ -16,7 +16,8 @@ language model, EAR-TTS and the codec run once over the stacked rows:
 
 Profiling (``StreamingOptions.profile``) and the diagnostic options
 (``use_language_cache=False`` / ``use_perception_cache=False``) are solo features: such a
-session is stepped on its own (:meth:`StreamingSession._step_frame`) within the tick.
+session is stepped on its own (:meth:`StreamingSession.push_audio` with one frame) within
+the tick, as is a session when it is the only batchable one.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ def step_frames(sessions: list, frames: list[np.ndarray]) -> list[list]:
         frames: per session its ``(1280,)`` float32 frame.
 
     Returns:
-        Per session the frame's events, equal to ``session._step_frame(frame)`` alone, or
-        the exception its own part of the frame raised (a solo-stepped session, or a
-        batched one whose perception failed; it is left out of the shared steps).
+        Per session the frame's events, equal to ``session.push_audio(frame)`` alone, or
+        the exception its own part of the frame raised: a solo-stepped session (closed
+        when the session itself says so) or a batched one whose perception failed (closed,
+        and left out of the shared steps).
 
     Raises:
         Whatever a shared (batched) stage raises; the caller fails every session of the
@@ -64,9 +66,8 @@ def step_frames(sessions: list, frames: list[np.ndarray]) -> list[list]:
         batch = []
     for index, session in enumerate(sessions):
         if index not in batch:
-            try:
-                with session._rng.active():
-                    results[index] = session._step_frame(frames[index])
+            try:  # the solo path: exactly what the session does alone (it closes itself on failure)
+                results[index] = session.push_audio(frames[index], session.input_sample_rate)
             except Exception as error:  # noqa: BLE001 - reported for this session only
                 results[index] = error
     if batch:
@@ -75,6 +76,7 @@ def step_frames(sessions: list, frames: list[np.ndarray]) -> list[list]:
             try:
                 perceived.append((index, _perceive(sessions[index], frames[index])))
             except Exception as error:  # noqa: BLE001 - reported for this session only
+                sessions[index]._fail(error)
                 results[index] = error
         if perceived:
             outputs = _batched([sessions[i] for i, _ in perceived], [inputs for _, inputs in perceived])

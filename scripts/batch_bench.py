@@ -1,0 +1,148 @@
+"""Benchmark the batched multi-session engine (issue #14): tick time versus sessions.
+
+    .venv/bin/python scripts/batch_bench.py [--model CKPT | --preset medium] [--sessions 1 2 4 8]
+        [--frames 24] [--warmup 4] [--json out.json]
+
+For each session count N it opens N sessions (different prompts and seeds), feeds each the
+bundled question (looped) one frame per tick, and reports the median and p90 tick time
+after ``--warmup`` ticks, the aggregate speed-up (N x one session's frame time / tick
+time), the real-time factor (tick / 80 ms) and the MLX memory each extra session adds.
+For the largest N it also checks that every session's events (ids, codes, audio) equal
+the same session run alone. The machine's load (``uptime``) is printed: the CPU may be
+shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+FRAME = 1280
+PROMPTS = ["Be concise and answer in one sentence.", "You are a helpful assistant.", "Hi.", None]
+
+
+def _options(index: int):
+    from mlx_voicechat_plugin.runtime.streaming import StreamingOptions
+
+    return StreamingOptions(system_prompt=PROMPTS[index % len(PROMPTS)], seed=index)
+
+
+def _audio(frames: int, shift: int) -> np.ndarray:
+    from mlx_voicechat_plugin.runtime.audio_io import read_audio
+
+    speech = read_audio(Path(__file__).resolve().parents[1] / "tests" / "data" / "question.wav", 16_000)
+    looped = np.tile(speech, 1 + (frames + shift + 1) * FRAME // len(speech))
+    return looped[shift * FRAME : (shift + frames) * FRAME]
+
+
+def _rows(events):
+    return [
+        (e.kind, e.frame_index, getattr(e, "token_id", None), tuple(getattr(e, "audio_codes", ()) or ()))
+        for e in events
+    ]
+
+
+def run(model, tokenizer, sessions: int, frames: int, warmup: int):
+    from mlx_voicechat_plugin.runtime.batch import BatchedEngine
+
+    engine = BatchedEngine(model, tokenizer)
+    mx.eval(mx.zeros(1))
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    ids = [engine.open(_options(index)) for index in range(sessions)]
+    audio = [_audio(frames, index) for index in range(sessions)]
+    events = {session_id: [] for session_id in ids}
+    ticks = []
+    memory_after_warmup = None
+    for frame in range(frames):
+        for session_id, samples in zip(ids, audio):
+            engine.push_audio(session_id, samples[frame * FRAME : (frame + 1) * FRAME])
+        start = time.perf_counter()
+        results = engine.tick()
+        ticks.append(time.perf_counter() - start)
+        for session_id, result in results.items():
+            assert result.error is None, result.error
+            events[session_id] += result.events
+        if frame == warmup - 1:
+            memory_after_warmup = mx.get_active_memory()
+    timed = ticks[warmup:]
+    return {
+        "sessions": sessions,
+        "tick_median_ms": 1000 * statistics.median(timed),
+        "tick_p90_ms": 1000 * sorted(timed)[int(0.9 * (len(timed) - 1))],
+        "active_memory_mb": (memory_after_warmup - base) / 2**20,
+    }, [events[session_id] for session_id in ids], audio
+
+
+def solo_events(model, tokenizer, index: int, samples: np.ndarray):
+    session = model.create_streaming_session(_options(index), processor=tokenizer)
+    events = []
+    for start in range(0, len(samples), FRAME):
+        events += session.push_audio(samples[start : start + FRAME])
+    return events
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint directory (default: a demo checkpoint of --preset)")
+    parser.add_argument("--preset", default="medium", choices=("tiny", "small", "medium"))
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--frames", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    from mlx_voicechat_plugin.loading import load
+
+    if args.model:
+        path = Path(args.model)
+    else:
+        from mlx_voicechat_plugin.demo import build_checkpoint
+
+        cache = Path(os.environ.get("MLX_VOICECHAT_CACHE", Path.home() / ".cache" / "mlx-voicechat-plugin"))
+        path = cache / f"bench-batch-{args.preset}"
+        if not (path / "config.json").exists():
+            build_checkpoint(path, args.preset, seed=0)
+    model, tokenizer = load(path)
+    print(f"model {path}; load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    rows, single, last = [], None, None
+    for sessions in args.sessions:
+        row, events, audio = run(model, tokenizer, sessions, args.frames, args.warmup)
+        if single is None and sessions == 1:
+            single = row["tick_median_ms"]
+        if single:
+            row["aggregate_speedup"] = sessions * single / row["tick_median_ms"]
+            row["tick_over_one_session"] = row["tick_median_ms"] / single
+        row["realtime_factor"] = row["tick_median_ms"] / 80.0
+        rows.append(row)
+        last = (sessions, events, audio)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    sessions, events, audio = last
+    identical = True
+    for index in range(sessions):
+        alone = solo_events(model, tokenizer, index, audio[index])
+        same = _rows(alone) == _rows(events[index]) and all(
+            np.array_equal(a.samples, b.samples)
+            for a, b in zip(alone, events[index])
+            if a.kind == "audio"
+        )
+        identical &= same
+    print(f"events of the {sessions} batched sessions identical to solo runs: {identical}")
+    fits = max((row["sessions"] for row in rows if row["realtime_factor"] <= 1.0), default=0)
+    print(f"most sessions measured in real time (tick <= 80 ms): {fits}")
+    print(f"load after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "identical": identical, "fits": fits}, indent=2))
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
