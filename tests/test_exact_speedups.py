@@ -9,6 +9,7 @@ import pytest
 from mlx.utils import tree_map
 from mlx_vlm.models.nemotron_voicechat.tts import RVQEARTTSModel
 
+from mlx_voicechat_plugin.accel.cpu.codec import SplitPatchConvTranspose1d, SplitPointwiseConv1d
 from mlx_voicechat_plugin.model.codec import (
     PatchConvTranspose1d,
     PointwiseConv1d,
@@ -23,23 +24,25 @@ def _cast(module, dtype):
     return module
 
 
+@pytest.mark.parametrize("cls", [PatchConvTranspose1d, SplitPatchConvTranspose1d])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("length,inputs,outputs,kernel", [(1, 128, 256, 9), (9, 256, 128, 7), (63, 128, 64, 7)])
-def test_patch_conv_transpose_equals_conv_transpose(dtype, length, inputs, outputs, kernel):
+def test_patch_conv_transpose_equals_conv_transpose(cls, dtype, length, inputs, outputs, kernel):
     reference = _cast(nn.ConvTranspose1d(inputs, outputs, kernel, stride=kernel, bias=False), dtype)
-    patch = PatchConvTranspose1d(inputs, outputs, kernel, stride=kernel, bias=False)
+    patch = cls(inputs, outputs, kernel, stride=kernel, bias=False)
     patch.update(reference.parameters())
     x = mx.random.normal((2, length, inputs)).astype(dtype)
     assert mx.array_equal(patch(x), reference(x)).item()
 
 
+@pytest.mark.parametrize("cls", [PointwiseConv1d, SplitPointwiseConv1d])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("length,channels", [(1, 256), (63, 128), (441, 64)])
-def test_pointwise_conv_equals_conv1d(dtype, length, channels):
+def test_pointwise_conv_equals_conv1d(cls, dtype, length, channels):
     reference = _cast(nn.Conv1d(channels, 4 * channels, 1), dtype)
     # Biases as large as the products: a sum started from the bias would round differently.
     reference.bias = mx.random.normal(reference.bias.shape).astype(dtype)
-    fast = PointwiseConv1d(channels, 4 * channels, 1)
+    fast = cls(channels, 4 * channels, 1)
     fast.update(reference.parameters())
     x = mx.random.normal((1, length, channels)).astype(dtype)
     assert mx.array_equal(fast(x), reference(x)).item()

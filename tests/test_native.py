@@ -1,4 +1,4 @@
-"""The native CPU kernels (``mlx_voicechat_plugin.native``) against the MLX operations they
+"""The native CPU kernels (``mlx_voicechat_plugin.accel.cpu.native``) against the MLX operations they
 replace: every output bit, every dtype, awkward shapes and strides, NaN/inf, gradients, the
 build cache and the fallback when the kernels are switched off or cannot be built.
 
@@ -15,8 +15,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_voicechat_plugin import native
-from mlx_voicechat_plugin.native import build
+from mlx_voicechat_plugin.accel.cpu import native
+from mlx_voicechat_plugin.accel.cpu.native import build
 
 FLOATS = [mx.float32, mx.bfloat16, mx.float16]
 
@@ -167,7 +167,8 @@ def test_depthwise_padding_adds_zero_products_like_mlx(kernels):
 
 
 def test_depthwise_module_equals_nn_conv1d(kernels):
-    from mlx_voicechat_plugin.model.convolutions import DepthwiseConv1d, install_convolutions
+    from mlx_voicechat_plugin.accel.cpu.convolutions import DepthwiseConv1d, install_depthwise
+    from mlx_voicechat_plugin.model.convolutions import install_pointwise_convolutions
 
     rng = np.random.default_rng(2)
     parent = nn.Module()
@@ -176,7 +177,8 @@ def test_depthwise_module_equals_nn_conv1d(kernels):
     parent.strided = nn.Conv1d(8, 8, 3, stride=2, groups=8)
     x = _random(rng, (2, 11, 8), mx.float32)
     expected = [parent.depthwise(x), parent.pointwise(x), parent.strided(x)]
-    assert install_convolutions(parent) == 2
+    assert install_depthwise(parent) == 1
+    assert install_pointwise_convolutions(parent) == 1
     assert isinstance(parent.depthwise, DepthwiseConv1d)
     assert type(parent.strided) is nn.Conv1d  # stride 2: left alone
     for got, want in zip([parent.depthwise(x), parent.pointwise(x), parent.strided(x)], expected):
@@ -379,7 +381,7 @@ def test_batched_matmul_gradients_match_mlx(kernels):
 
 
 def test_attention_fallback_equals_mlx_sdpa(kernels):
-    from mlx_voicechat_plugin.model.attention import attention_fallback
+    from mlx_voicechat_plugin.accel.cpu.attention import attention_fallback
 
     rng = np.random.default_rng(16)
     for dtype in FLOATS:
@@ -393,7 +395,7 @@ def test_attention_fallback_equals_mlx_sdpa(kernels):
 def test_exact_encoder_attention_matches_upstream(kernels):
     from mlx_audio.stt.models.nemotron_asr.attention import RelPositionMultiHeadAttention
 
-    from mlx_voicechat_plugin.model.attention import (
+    from mlx_voicechat_plugin.accel.cpu.attention import (
         ExactRelPositionMultiHeadAttention,
         install_exact_attention,
     )
@@ -497,3 +499,27 @@ def test_model_can_still_be_differentiated(models):
 
     grad = mx.grad(loss)(x)
     assert grad.shape == x.shape and mx.isfinite(grad).all().item()
+
+
+def test_wrappers_never_build_the_extension(kernels, monkeypatch):
+    """Only :func:`native.available` (the CPU layer's install, at load) builds: a wrapper
+    called before then (e.g. mid-turn on a side stream) uses MLX's operation."""
+    calls = []
+    monkeypatch.setattr(build, "load", lambda *args, **kwargs: calls.append(args))
+    native.reset()
+    try:
+        a = _random(np.random.default_rng(20), (3, 8), mx.float32)
+        assert not native.active()
+        assert _same(native.linear(a, a), a @ a.T)
+        assert calls == []
+    finally:
+        monkeypatch.undo()
+        native.reset()
+        assert native.available()
+
+
+@pytest.mark.parametrize("platform,absent", [("darwin", "-Wl,--gc-sections"), ("linux", "-Wl,-dead_strip")])
+def test_link_flags_follow_the_platform(monkeypatch, platform, absent):
+    monkeypatch.setattr(build.sys, "platform", platform)
+    flags = build._link_flags()
+    assert "-shared" in flags and absent not in flags

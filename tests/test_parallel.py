@@ -12,15 +12,16 @@ from mlx.utils import tree_map
 from mlx_audio.codec.models.nemotron_voicechat import CausalConv1dCache
 from mlx_audio.codec.models.nemotron_voicechat.codec import ConvNeXtBlock1d
 
-from mlx_voicechat_plugin.model import activations, parallel
-from mlx_voicechat_plugin.model.codec import FastConvNeXtBlock1d, PointwiseConv1d, _pointwise
-from mlx_voicechat_plugin.model.parallel import (
+from mlx_voicechat_plugin.accel.cpu import activations, parallel
+from mlx_voicechat_plugin.accel.cpu.codec import FastConvNeXtBlock1d, install_codec_layers
+from mlx_voicechat_plugin.accel.cpu.parallel import (
     SplitLinear,
     SplitQuantizedLinear,
     install_split_linears,
     split_stream,
     store_transposed,
 )
+from mlx_voicechat_plugin.model.codec import PointwiseConv1d, pointwise_from
 
 
 @pytest.fixture
@@ -141,9 +142,10 @@ def _convnext_pair(channels: int, layer_id: int, dtype):
     reference = ConvNeXtBlock1d(channels, 7, layer_id=layer_id)
     reference.update(tree_map(lambda a: (a + 0.1 * mx.random.normal(a.shape)).astype(dtype), reference.parameters()))
     fast = ConvNeXtBlock1d(channels, 7, layer_id=layer_id)
-    fast.__class__ = FastConvNeXtBlock1d
-    fast.pwconv1 = _pointwise(fast.pwconv1)
-    fast.pwconv2 = _pointwise(fast.pwconv2)
+    fast.pwconv1 = pointwise_from(fast.pwconv1)
+    fast.pwconv2 = pointwise_from(fast.pwconv2)
+    assert install_codec_layers(fast) == 3
+    assert isinstance(fast, FastConvNeXtBlock1d)
     fast.update(reference.parameters())
     return reference, fast
 
@@ -193,7 +195,7 @@ def test_streaming_parity_with_every_product_split(always_split, models, speech_
 
 
 def test_subsampling_convs_equal_conv2d(always_split):
-    from mlx_voicechat_plugin.model.encoder import (
+    from mlx_voicechat_plugin.accel.cpu.encoder import (
         PointwiseConv2d,
         SplitDepthwiseConv2d,
         install_subsampling_split,
@@ -224,7 +226,7 @@ def test_subsampling_convs_equal_conv2d(always_split):
 
 @pytest.mark.parametrize("input_dtype", [mx.bfloat16, mx.float32])
 def test_rnnt_shadow_lstm_and_linear_equal_upstream(input_dtype):
-    from mlx_voicechat_plugin.model.rnnt import ShadowLinear, ShadowLSTM, install_rnnt_shadows
+    from mlx_voicechat_plugin.accel.cpu.rnnt import ShadowLinear, ShadowLSTM, install_rnnt_shadows
 
     reference = nn.LSTM(24, 32)
     reference.update(tree_map(lambda a: (a * 3).astype(mx.bfloat16), reference.parameters()))
@@ -254,7 +256,7 @@ def test_rnnt_shadow_lstm_and_linear_equal_upstream(input_dtype):
 
 def test_bf16_addmm_adds_the_bias_to_the_rounded_sum():
     """The RNNT shadows rely on this MLX CPU behaviour; fail loudly if it changes."""
-    from mlx_voicechat_plugin.model.rnnt import shadow_addmm
+    from mlx_voicechat_plugin.accel.cpu.rnnt import shadow_addmm
 
     rng = np.random.default_rng(3)
     for _ in range(20):
@@ -400,13 +402,13 @@ def test_clear_caches_follows_parameters_changed_in_place(checkpoint, speech_16k
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("split", [True, False], ids=["two-streams", "one-stream"])
 def test_long_convnext_input_in_row_chunks_equals_upstream(monkeypatch, dtype, split):
-    from mlx_voicechat_plugin.model import codec as codec_module
-    from mlx_voicechat_plugin.model.convolutions import install_convolutions
+    from mlx_voicechat_plugin.accel.cpu import codec as codec_module
+    from mlx_voicechat_plugin.accel.cpu.convolutions import install_depthwise
 
     monkeypatch.setattr(codec_module, "ROW_CHUNK", 16)  # 100 rows -> 7 chunks, the last short
     monkeypatch.setattr(parallel, "MIN_SPLIT_WORK", 0)
     monkeypatch.setenv(parallel.SPLIT_ENV, "1" if split else "0")
     reference, fast = _convnext_pair(24, 1, dtype)
-    install_convolutions(fast)
+    install_depthwise(fast)
     x = mx.random.normal((1, 100, 24)).astype(dtype) * 3
     assert mx.array_equal(fast(x), reference(x)).item()

@@ -1,38 +1,16 @@
-"""The model's depthwise and pointwise 1-D convolutions as exact CPU kernels.
+"""The model's kernel-1 convolutions as matrix products (plain MLX, any device).
 
-:class:`DepthwiseConv1d` (``groups`` equal to the channels, stride 1, no dilation: the
-codec's ConvNeXt blocks, the conformer's convolution module, the Mamba layers' short
-convolution) runs :func:`~mlx_voicechat_plugin.native.depthwise_conv1d`, which sums the taps
-in MLX's order and rounding; the bias is added afterwards, as ``nn.Conv1d`` adds it.
-Kernel-1 convolutions become :class:`~.codec.PointwiseConv1d` (a matrix product plus bias).
-Parameters are untouched: :func:`install_convolutions` only swaps classes.
+Kernel-1 ``nn.Conv1d`` layers (the conformer's pointwise convolutions, the codec's) become
+:class:`~.codec.PointwiseConv1d`: the same product and the same bias addition, without the
+convolution's unfold (bit-identical on the CPU; tests compare them). Parameters are
+untouched: :func:`install_pointwise_convolutions` only swaps classes.
 """
 
 from __future__ import annotations
 
-import mlx.core as mx
 import mlx.nn as nn
 
-from ..native import depthwise_conv1d
 from .codec import PointwiseConv1d
-
-
-class DepthwiseConv1d(nn.Conv1d):
-    """``nn.Conv1d`` with one filter per channel (same parameters, same output bits).
-
-    Input ``(B, T, C)`` -> ``(B, T + 2 * padding - K + 1, C)``.
-    """
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = depthwise_conv1d(x, self.weight, self.padding)
-        if "bias" in self:
-            y = y + self.bias
-        return y
-
-
-def _depthwise(conv: nn.Conv1d) -> bool:
-    channels, _, per_group = conv.weight.shape
-    return conv.groups == channels and per_group == 1 and conv.stride == 1 and conv.dilation == 1
 
 
 def _pointwise(conv: nn.Conv1d) -> bool:
@@ -46,18 +24,12 @@ def _pointwise(conv: nn.Conv1d) -> bool:
     )
 
 
-def install_convolutions(module: nn.Module) -> int:
-    """Swap every plain depthwise / kernel-1 ``nn.Conv1d`` under ``module`` for its exact
-    kernel class; returns how many changed."""
+def install_pointwise_convolutions(module: nn.Module) -> int:
+    """Swap every plain kernel-1 ``nn.Conv1d`` under ``module`` for
+    :class:`~.codec.PointwiseConv1d`; returns how many changed."""
     changed = 0
     for _, child in module.named_modules():
-        if type(child) is not nn.Conv1d:
-            continue
-        if _depthwise(child):
-            child.__class__ = DepthwiseConv1d
-        elif _pointwise(child):
+        if type(child) is nn.Conv1d and _pointwise(child):
             child.__class__ = PointwiseConv1d
-        else:
-            continue
-        changed += 1
+            changed += 1
     return changed

@@ -1,12 +1,4 @@
-"""FastConformer speed-ups that leave every output bit unchanged.
-
-Subsampling (:func:`install_subsampling_split`): the depthwise-striding stack's 1x1
-convolutions run as one matrix product against a row-contiguous float32 copy of the
-weight, the input rows split over two CPU cores; its depthwise convolutions run their two
-channel halves on the two cores. Every output element is computed by the same operations
-on the same inputs (tests compare with ``nn.Conv2d``).
-
-Positional projection:
+"""FastConformer encoder speed-up that leaves every output bit unchanged (plain MLX).
 
 Every conformer layer projects the relative positional embedding of its key window
 (``linear_pos(pos_emb)``, ``(1, 2L - 1, d) @ (d, d)``) on every streamed frame. The
@@ -23,10 +15,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-
-from ..native import matmul
-from .derived import derived
-from .parallel import split_rows, split_stream
 
 
 class CachedPositionProjection(nn.Linear):
@@ -72,79 +60,3 @@ def install_position_cache(encoder, left_context: int) -> list[CachedPositionPro
         layer.self_attn.linear_pos = new
         installed.append(new)
     return installed
-
-
-class PointwiseConv2d(nn.Conv2d):
-    """``nn.Conv2d`` with a 1x1 kernel (stride 1, no padding, one group) as a matrix
-    product plus bias, rows split over two CPU cores.
-
-    Input ``(B, H, W, C_in)`` -> ``(B, H, W, C_out)``, same parameters and bits as the
-    parent class. A float32 ``(C_in, C_out)`` copy of the weight (the layout the CPU BLAS
-    multiplies fastest) is kept while the weight object is unchanged (:mod:`.derived`).
-    """
-
-    def _matrix(self) -> mx.array:
-        return derived(self, "matrix", lambda weight: mx.contiguous(weight.reshape(weight.shape[0], -1).T))
-
-    def prepare_derived(self) -> None:
-        """Build the matrix now (after loading weights) rather than on the first call."""
-        self._matrix()
-
-    def __call__(self, x: mx.array) -> mx.array:
-        matrix = self._matrix()
-        bias = self.bias if "bias" in self else None
-
-        def product(rows):
-            y = matmul(rows, matrix)
-            return y if bias is None else y + bias
-
-        return split_rows(x, product, matrix.size)
-
-
-class SplitDepthwiseConv2d(nn.Conv2d):
-    """Depthwise ``nn.Conv2d`` (``groups == channels``) whose two channel halves run on the
-    two CPU cores; same parameters and bits as the parent class."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        channels = x.shape[-1]
-        positions = x.shape[0] * x.shape[1] * x.shape[2] // (self.stride[0] * self.stride[1])
-        other = split_stream(positions * self.weight.size) if channels >= 2 else None
-        if other is None:
-            return super().__call__(x)
-        half = channels // 2
-        bias = self.bias if "bias" in self else None
-
-        def conv(start, stop):
-            y = mx.conv2d(
-                x[..., start:stop],
-                self.weight[start:stop],
-                self.stride,
-                self.padding,
-                self.dilation,
-                stop - start,
-            )
-            return y if bias is None else y + bias[start:stop]
-
-        first = conv(0, half)
-        with mx.stream(other):
-            second = conv(half, channels)
-        return mx.concatenate([first, second], axis=-1)
-
-
-def install_subsampling_split(subsampling) -> int:
-    """Swap the subsampling stack's 1x1 and depthwise ``Conv2d`` layers (class only, same
-    parameters); returns how many changed."""
-    changed = 0
-    for layer in getattr(subsampling, "conv", []):
-        if type(layer) is not nn.Conv2d:
-            continue
-        out_channels, kernel_h, kernel_w, in_channels = layer.weight.shape
-        pointwise = (kernel_h, kernel_w) == (1, 1) and layer.groups == 1
-        plain = layer.stride == (1, 1) and layer.padding == (0, 0) and layer.dilation in (1, (1, 1))
-        if pointwise and plain:
-            layer.__class__ = PointwiseConv2d
-            changed += 1
-        elif in_channels == 1 and layer.groups == out_channels and out_channels > 1:
-            layer.__class__ = SplitDepthwiseConv2d
-            changed += 1
-    return changed

@@ -7,12 +7,15 @@ Differences from upstream ``mlx_vlm.models.nemotron_voicechat.Model`` (and why):
   message instead of a shape error mid-turn;
 * ``load_weights`` pins f32-only weights to f32 (:mod:`.pinning`), exact and faster on every
   frame; the memory cost is kept in :attr:`Model.pinning`;
-* bit-identical speed-ups (each proven by tests against upstream): the codec's iSTFT
-  normalisation cache is keyed on shapes and its non-overlapping upsampling runs as a
-  matmul and its GELU is a table lookup (:mod:`.codec`, :mod:`.activations`), the
-  encoder's steady-state positional projection is memoised (:mod:`.encoder`), EAR-TTS
-  caches its codebook tables (:mod:`.tts`), and on the CPU every large matrix product
-  runs on two cores, split by output columns (:mod:`.parallel`);
+* device-neutral, bit-identical speed-ups in plain MLX (each proven by tests against
+  upstream): the codec's iSTFT normalisation cache is keyed on shapes and its
+  non-overlapping upsampling and kernel-1 convolutions run as matmuls (:mod:`.codec`,
+  :mod:`.convolutions`), the encoder's steady-state positional projection is memoised
+  (:mod:`.encoder`), EAR-TTS caches its codebook tables (:mod:`.tts`) and norm offsets
+  are computed once (:mod:`.norms`);
+* after loading, :func:`accelerate` installs the optional acceleration layer for the
+  model's device (:mod:`mlx_voicechat_plugin.accel`: on the CPU, native kernels and
+  two-core products; on a GPU nothing); this package never imports that layer;
 * ``create_session`` returns :class:`~mlx_voicechat_plugin.runtime.offline.OfflineSession`
   (cached O(T) loop by default, input validation, progress), and the tokenizer is loaded
   from the checkpoint when the caller has none.
@@ -23,21 +26,29 @@ without renaming.
 
 from __future__ import annotations
 
-import mlx.core as mx
 from mlx_vlm.models.nemotron_voicechat.model import Model as UpstreamModel
 
-from .. import native
-from .attention import install_exact_attention
 from .codec import ShapeKeyedISTFTCache, install_patch_upsampling
-from .convolutions import install_convolutions
+from .convolutions import install_pointwise_convolutions
 from .derived import rebuild_derived
-from .encoder import install_position_cache, install_subsampling_split
+from .encoder import install_position_cache
+from .execution import DEFAULT, Execution
 from .norms import install_norms
-from .parallel import install_split_linears
 from .pinning import PinningReport, pin_f32_weights, pinning_enabled
-from .rnnt import install_rnnt_shadows
 from .tts import FastRVQEARTTSModel
 from .validation import validate_config
+
+
+def accelerate(model) -> str | None:
+    """Install the optional acceleration layer for the model's device (the one hook into
+    :mod:`mlx_voicechat_plugin.accel`, imported lazily); returns the installed layer's name
+    (``"cpu"``) or None when nothing was installed: the package is absent or unimportable,
+    the device is not the CPU, or ``MLX_VOICECHAT_CPU_ACCEL=0``."""
+    try:
+        from ..accel import install
+    except ImportError:
+        return None
+    return install(model)
 
 
 class Model(UpstreamModel):
@@ -60,39 +71,42 @@ class Model(UpstreamModel):
         install_patch_upsampling(codec.decoder)
         left_context = config.audio_config.encoder.att_context_size[0][0]
         self._position_caches = install_position_cache(self.stt_model.perception.encoder, left_context)
-        install_subsampling_split(self.stt_model.perception.encoder.pre_encode)
-        install_convolutions(self)
-        install_exact_attention(self.stt_model.perception.encoder)
+        install_pointwise_convolutions(self)
         self.pinning: PinningReport | None = None
+        #: The installed acceleration layer (``"cpu"``) or None (:func:`accelerate`).
+        self.acceleration: str | None = None
         self._tokenizer = None
 
+    #: How the runtime schedules this model's concurrent work (:mod:`.execution`); the
+    #: acceleration layer may replace it at load.
+    execution: Execution = DEFAULT
+
     def load_weights(self, file_or_weights, strict: bool = True):
-        """Load weights (upstream behaviour), then pin f32-only weights unless disabled.
+        """Load weights (upstream behaviour), pin f32-only weights unless disabled, then
+        install the acceleration layer for the device (:func:`accelerate`).
 
         Pinning is skipped when ``MLX_VOICECHAT_PIN_F32=0``.
         """
         result = super().load_weights(file_or_weights, strict=strict)
         if pinning_enabled():
             self.pinning = pin_f32_weights(self)
-        # After loading: mlx-vlm quantizes (replacing Linear modules) before this call.
-        install_split_linears(self)
         install_norms(self)
-        install_rnnt_shadows(self.stt_model.rnnt_decoder, self.stt_model.rnnt_joint)
-        if mx.default_device() == mx.cpu:
-            native.available()  # build/load the exact CPU product kernel now, not mid-frame
+        # After loading: mlx-vlm quantizes (replacing Linear modules) before this call.
+        self.acceleration = accelerate(self) or self.acceleration
         self.clear_caches()
         return result
 
     def clear_caches(self) -> None:
         """Drop and rebuild everything derived from weights: codebook tables, memoised text
-        conditions, the silent EAR-TTS prompt, positional projections, norm offsets, and the f32 copies of the RNNT
-        and subsampling products. Call it after changing parameters by hand (in place or
+        conditions, the silent EAR-TTS prompt, positional projections, norm offsets, and the
+        acceleration layer's weight copies (e.g. the CPU layer's f32 RNNT and subsampling
+        products). Call it after changing parameters by hand (in place or
         by replacing them)."""
         self.tts_model.tts_model.clear_tables()
         self.__dict__.pop("_silent_prompts", None)
         for projection in self._position_caches:
             projection.clear_memo()
-        rebuild_derived(self, build=mx.default_device() == mx.cpu)
+        rebuild_derived(self)
 
     @property
     def tokenizer(self):

@@ -10,9 +10,10 @@ helpers compute, not what they compute:
   bit-identical (tests compare them).
 * ``_rvq_encode_step`` -- upstream recomputes each codebook's squared norms (in the stored
   dtype) and converts the codebook to f32 inside the distance matmul on every call. Here
-  the norms (same operation, same dtype) and an exact f32 copy are computed once; the copy
-  is each codebook's transpose, row-contiguous, the layout the CPU BLAS multiplies fastest
-  (same sums). The selected rows are gathered from the stored table, as upstream does.
+  the norms (same operation, same dtype) are computed once. The selected rows are gathered
+  from the stored table, as upstream does. (The optional CPU layer,
+  :mod:`mlx_voicechat_plugin.accel.cpu.tts`, adds an exact float32 transposed copy and a
+  native kernel.)
 
 * ``_condition`` -- the text condition of a frame (the character-aware subword encoder
   over the token's characters, doubled with the null embedding for guidance) is a function
@@ -32,8 +33,6 @@ from collections import OrderedDict
 
 import mlx.core as mx
 from mlx_vlm.models.nemotron_voicechat.tts import RVQEARTTSModel
-
-from ..native import matmul, rvq_encode
 
 #: Most memoised text conditions kept (least recently used dropped first).
 CONDITION_MEMO_SIZE = 4096
@@ -120,18 +119,21 @@ class FastRVQEARTTSModel(RVQEARTTSModel):
     def _table(self, name: str):
         table = self._tables.get(name)
         if table is None:
-            embs = self.rvq_embs
-            if name == "padded":
-                padding = mx.zeros((embs.shape[0], 1, embs.shape[2]), dtype=embs.dtype)
-                table = mx.concatenate([embs, padding], axis=1)
-            elif name == "norms":
-                table = mx.sum(embs * embs, axis=-1)
-            elif name == "f32t":
-                # (Q, latent, codes): each codebook's float32 transpose, row-contiguous.
-                table = mx.contiguous(embs.astype(mx.float32).transpose(0, 2, 1))
+            table = self._build_table(name)
             mx.eval(table)
             self._tables[name] = table
         return table
+
+    def _build_table(self, name: str) -> mx.array:
+        """A table derived from ``rvq_embs``: ``"padded"`` (a zero row appended to every
+        codebook) or ``"norms"`` (squared codeword norms, in the stored dtype)."""
+        embs = self.rvq_embs
+        if name == "padded":
+            padding = mx.zeros((embs.shape[0], 1, embs.shape[2]), dtype=embs.dtype)
+            return mx.concatenate([embs, padding], axis=1)
+        if name == "norms":
+            return mx.sum(embs * embs, axis=-1)
+        raise KeyError(name)
 
     def depthsum_embedding(self, code: mx.array) -> mx.array:
         """Sum of the 31 codebook rows selected by ``code`` (``(..., 31)``) -> ``(..., latent)`` f32."""
@@ -142,22 +144,27 @@ class FastRVQEARTTSModel(RVQEARTTSModel):
 
     def _rvq_encode_step(self, residual, code, start, count):
         """Upstream ``_rvq_encode_step``: codebooks ``[start, start + count)`` by nearest
-        codeword, in one native kernel when available (:func:`~mlx_voicechat_plugin.native.rvq_encode`).
-        The untouched codebooks are sliced as two blocks rather than one slice per codebook;
-        the concatenation promotes dtypes exactly as upstream's ``stack`` of the per-codebook
-        pieces does (only non-empty blocks take part)."""
+        codeword, with the cached norms. The untouched codebooks are sliced as two blocks
+        rather than one slice per codebook; the concatenation promotes dtypes exactly as
+        upstream's ``stack`` of the per-codebook pieces does (only non-empty blocks take
+        part)."""
         if count == 0:
             return code
-        norms, transposed = self._table("norms"), self._table("f32t")
-        block = rvq_encode(residual, norms, transposed, self.rvq_embs, start, count)
-        if block is None:
-            selected = []
-            for index in range(start, start + count):
-                distances = norms[index] - 2.0 * matmul(residual, transposed[index])
-                chosen = mx.argmin(distances, axis=-1)
-                residual = residual - self.rvq_embs[index][chosen]
-                selected.append(chosen)
-            block = mx.stack(selected, axis=-1)
+        return self._join_codes(self._encode_block(residual, start, count), code, start, count)
+
+    def _encode_block(self, residual, start: int, count: int) -> mx.array:
+        """``(..., count)`` nearest-codeword indices for codebooks ``[start, start + count)``."""
+        norms = self._table("norms")
+        selected = []
+        for index in range(start, start + count):
+            embedding = self.rvq_embs[index]
+            distances = norms[index] - 2.0 * mx.matmul(residual, embedding.T)
+            chosen = mx.argmin(distances, axis=-1)
+            residual = residual - embedding[chosen]
+            selected.append(chosen)
+        return mx.stack(selected, axis=-1)
+
+    def _join_codes(self, block, code, start: int, count: int) -> mx.array:
         quantizers = self.config.num_quantizers
         parts = [block]
         if start > 0:

@@ -28,6 +28,7 @@ import numpy as np
 from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram
 from mlx_vlm.models.nemotron_voicechat.session import VoiceChatSession
 
+from ..model.execution import execution_of
 from .audio_io import AudioInputError  # noqa: F401 - re-exported
 from .rng import SessionRNG
 from .transcript import greedy_transcript
@@ -254,14 +255,17 @@ class OfflineSession(VoiceChatSession):
             audio_embeds = mx.concatenate([prompt_embeds.astype(audio_embeds.dtype), audio_embeds], axis=1)
         prompt_frames = len(prompt_ids)
         total = prompt_frames + audio_frames
-        # The language model and the RNNT run on worker threads beside EAR-TTS (see
-        # runtime.workers); they get evaluated inputs and hand back host ints.
+        # The language model and the RNNT run on worker threads beside EAR-TTS, on streams
+        # of the model's device (see runtime.workers); they get evaluated inputs and hand
+        # back host ints.
         mx.eval(audio_embeds, asr_embeds, stt.parameters())
-        transcript_job = Job("voicechat-rnnt", greedy_transcript, model, asr_embeds, audio_frames)
+        context = execution_of(model).worker
+        transcript_job = Job("voicechat-rnnt", greedy_transcript, model, asr_embeds, audio_frames, context=context)
         ids = Stream()
         language_job = Job(
             "voicechat-language", _language_pass, stt, audio_embeds, prompt_frames, total,
             use_language_cache, config.pad_token_id, config.function_channel_weight, ids,
+            context=context,
         )  # fmt: skip
         try:
             return self._speak(prompt_frames, total, audio_frames, ids, language_job, transcript_job, progress)

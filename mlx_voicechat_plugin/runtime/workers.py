@@ -3,8 +3,11 @@
 The offline timeline has three chains of work: the language model (its input at position t
 is the audio frame and its own ids at t - 1), EAR-TTS (which needs the text id at t) and the
 RNNT transcript (which needs only the encoder frames). The language model and the RNNT run
-on worker threads, each on its own MLX CPU stream, while the calling thread runs EAR-TTS:
-the chains overlap on the cores instead of taking turns. Every chain performs exactly the
+on worker threads while the calling thread runs EAR-TTS: each worker thread evaluates on its
+own stream of the device the job was submitted from (MLX gives every thread its own default
+stream per device), so the chains overlap instead of taking turns, on the CPU's cores or on
+a GPU's queues. A job may also be given a ``context`` to enter around its work (the model's
+:meth:`~mlx_voicechat_plugin.model.execution.Execution.worker`). Every chain performs exactly the
 operations it would perform alone, so the ids, codes and transcript are unchanged. The
 worker threads are shared by all turns of the process (at most :data:`MAX_WORKERS`).
 
@@ -14,14 +17,13 @@ inputs and hands back host values (Python ints, strings), never lazy arrays.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
 import mlx.core as mx
-
-from ..model.parallel import side_stream
 
 #: Worker threads shared by every offline turn of the process. Each keeps its MLX streams
 #: (created once per thread: MLX never frees a stream) so turns do not add threads. They are
@@ -55,23 +57,26 @@ def _submit(work, *args) -> Future:
     return future
 
 
-def _in_own_stream(work, args):
-    with mx.stream(side_stream()):
+def _on_device(work, args, device, context):
+    with mx.stream(device), (context() if context is not None else contextlib.nullcontext()):
         return work(*args)
 
 
 class Job:
     """``work(*args)`` on one of the shared worker threads, its MLX operations on that
-    thread's own stream. :meth:`result` waits and returns the value or re-raises.
+    thread's own stream of the submitting thread's default device. :meth:`result` waits and
+    returns the value or re-raises.
 
     Args:
         name: what the job is (for error messages).
         work: the callable.
+        context: optional zero-argument callable returning a context manager, entered on
+            the worker thread around ``work``.
     """
 
-    def __init__(self, name: str, work: Callable, *args):
+    def __init__(self, name: str, work: Callable, *args, context: Callable | None = None):
         self.name = name
-        self._future = _submit(_in_own_stream, work, args)
+        self._future = _submit(_on_device, work, args, mx.default_device(), context)
 
     def result(self):
         """Wait for the work; its return value (or its exception, re-raised)."""

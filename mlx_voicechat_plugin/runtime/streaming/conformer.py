@@ -5,7 +5,7 @@ the last ``left_context`` (70) attention inputs and on every frame projects all 
 again (``linear_k`` / ``linear_v`` over up to 71 rows): about 95% of the attention's
 products repeat the previous frame's. A linear layer transforms each row independently,
 and our float32 products give each row the same bits whatever the other rows are (see
-:mod:`mlx_voicechat_plugin.model.parallel`), so :class:`ProjectedStreamingState` keeps the
+:mod:`mlx_voicechat_plugin.accel.cpu.parallel`), so :class:`ProjectedStreamingState` keeps the
 projected keys and values of the retained rows and projects only the new row(s).
 Everything else is upstream's computation in upstream's order: ``_encode_mel_chunk``
 follows the parent's method, the block follows upstream ``_stream_block`` and the attention

@@ -23,7 +23,7 @@ from mlx_audio.codec.models.nemotron_voicechat import CausalConv1dCache
 from mlx_audio.stt.models.nemotron_asr import tokenizer as rnnt_tokenizer
 from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram_frames
 
-from ...model.parallel import on_side_stream
+from ...model.execution import execution_of
 from .. import compiled
 from ..transcript import masked_step
 
@@ -75,9 +75,10 @@ class TranscriptState:
     """Greedy RNNT decoding state (last emitted token, LSTM state, transcript).
 
     Same decisions as upstream ``streaming._RNNTState`` (per encoder frame, emit symbols
-    until blank or ``max_symbols``) without a host round trip per symbol, on its own CPU
-    stream (:func:`~mlx_voicechat_plugin.model.parallel.on_side_stream`) so it runs
-    beside the language model, EAR-TTS and the codec: the first step
+    until blank or ``max_symbols``) without a host round trip per symbol, inside the model's
+    side-work context (:meth:`~mlx_voicechat_plugin.model.execution.Execution.side`; the CPU
+    layer gives it its own CPU stream, so it runs beside the language model, EAR-TTS and
+    the codec): the first step
     (:meth:`schedule`) is read back together with the LLM's ids; only when it is not
     blank are the remaining steps built (:meth:`schedule_rest`), masked after the first
     blank, and evaluated with the frame's outputs. Each step makes exactly the upstream
@@ -117,7 +118,7 @@ class TranscriptState:
         """
         blank = self.model.config.rnnt_blank_id
         self._encoded, self._dtype = encoded, encoded.dtype
-        with on_side_stream():
+        with execution_of(self.model).side():
             token = mx.array([[self.last_token]], dtype=mx.int32) if self.last_token != blank else None
             symbol, hidden = self._decode(token, self.hidden, encoded)
             self._scheduled = hidden
@@ -137,7 +138,7 @@ class TranscriptState:
         if first < 0 or steps < 2:
             return None
         encoded, hidden = self._encoded, self._scheduled
-        with on_side_stream():
+        with execution_of(self.model).side():
             projected = self._projection(encoded)
             last = mx.array([[first]], dtype=mx.int32)
             active = mx.array(True)

@@ -175,8 +175,7 @@ def _compile(inputs: dict[str, str], target: Path) -> None:
         _run(
             [
                 compiler,
-                "-shared",
-                "-Wl,--gc-sections",
+                *_link_flags(),
                 "kernel.o",
                 "nanobind.o",
                 f"-L{inputs['mlx_lib']}",
@@ -190,6 +189,15 @@ def _compile(inputs: dict[str, str], target: Path) -> None:
         if not linked.is_file():
             raise BuildError(f"the compiler ({compiler}) reported success but wrote no library")
         os.replace(linked, target)
+
+
+def _link_flags() -> list[str]:
+    """Shared-library flags for this platform's linker: Apple's ld has no
+    ``--gc-sections`` (its equivalent is ``-dead_strip``) and wants undefined Python symbols
+    resolved at load time."""
+    if sys.platform == "darwin":
+        return ["-shared", "-undefined", "dynamic_lookup", "-Wl,-dead_strip"]
+    return ["-shared", "-Wl,--gc-sections"]
 
 
 def _digest(path: Path) -> str:
@@ -207,7 +215,7 @@ def _intact(target: Path) -> bool:
 
 
 def _import(path: Path):
-    name = f"mlx_voicechat_plugin.native.{MODULE}"
+    name = f"{__package__}.{MODULE}"
     try:
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
@@ -227,7 +235,7 @@ def build(cache: Path | None = None) -> Path:
         BuildError: no compiler / headers / nanobind, or the compiler failed.
     """
     if cache is None:
-        from ..demo.cache import cache_root
+        from ....demo.cache import cache_root
 
         cache = cache_root() / "native"
     inputs = _build_inputs()

@@ -5,7 +5,7 @@ uses) computes the position term ``q_v @ p^T`` and then ``mx.fast.scaled_dot_pro
 which MLX's CPU backend evaluates as its fallback graph: ``scale * q``, ``@ k^T``, plus the
 mask, a precise softmax, ``@ v``. Those batched products grow with the square of the input
 length (about 1.4 s of a 60 s turn on the medium demo checkpoint). :class:`ExactRelPositionMultiHeadAttention`
-computes the same operations in the same order with :func:`~mlx_voicechat_plugin.native.matmul`
+computes the same operations in the same order with :func:`.native.matmul`
 for the three products (same bits, tests compare with upstream). The streaming step
 (``stream``) is upstream's.
 """
@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_audio.stt.models.nemotron_asr.attention import RelPositionMultiHeadAttention
 
-from .. import native
+from . import native
 
 
 def attention_fallback(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None) -> mx.array:
@@ -40,7 +40,7 @@ class ExactRelPositionMultiHeadAttention(RelPositionMultiHeadAttention):
 
     def __call__(self, x: mx.array, pos_emb: mx.array, mask: mx.array | None = None) -> mx.array:
         dtypes = {x.dtype, pos_emb.dtype, self.linear_q.weight.dtype}
-        if not native.available() or mx.default_device() != mx.cpu or len(dtypes) != 1 or (
+        if not native.active() or len(dtypes) != 1 or (
             mask is not None and mask.dtype == mx.bool_
         ):
             return super().__call__(x, pos_emb, mask)

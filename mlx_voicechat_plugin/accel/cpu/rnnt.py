@@ -1,4 +1,4 @@
-"""RNNT branch speed-ups that leave every output bit unchanged (CPU device).
+"""RNNT branch speed-ups that leave every output bit unchanged (CPU layer).
 
 The transcript branch (prediction LSTM and joint network, stored bfloat16) runs up to ten
 single-row steps per frame. MLX's CPU backend multiplies a bfloat16 matrix by converting
@@ -18,8 +18,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..native import matmul
-from .derived import derived
+from ...model.derived import derived
+from .native import matmul
 from .parallel import SplitLinear
 
 

@@ -34,7 +34,7 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..native import linear
+from .native import linear
 
 #: Environment switch: ``0`` keeps every product on one stream.
 SPLIT_ENV = "MLX_VOICECHAT_CPU_SPLIT"

@@ -1,11 +1,12 @@
-"""Exact GELU for 16-bit activations as a table lookup.
+"""Exact GELU for 16-bit activations as a table lookup (CPU layer: a gain on the CPU only;
+on a GPU ``nn.gelu`` is one fused elementwise kernel).
 
 A bfloat16 or float16 value has 65,536 bit patterns, so ``nn.gelu`` (the exact, erf-based
 GELU the codec's ConvNeXt blocks use) is a function on a finite set: computing it once on
 every pattern, with the same operations in the same dtype, and gathering by bit pattern
 gives the same output bits for every input, NaN and signed zero included (a test checks
 all 65,536 patterns). The lookup is the native kernel's contiguous loop
-(:func:`~mlx_voicechat_plugin.native.lookup16`) or, without it, MLX's gather (about a fifth
+(:func:`.native.lookup16`) or, without it, MLX's gather (about a fifth
 of the cost of evaluating ``erf`` and four other elementwise operations per element).
 Other dtypes fall back to ``nn.gelu``.
 """
@@ -17,7 +18,7 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..native import lookup16
+from .native import lookup16
 
 _TABLES: dict = {}
 _LOCK = threading.Lock()

@@ -1,0 +1,46 @@
+"""Optional acceleration layers, installed onto a loaded model for its device.
+
+The model package (:mod:`mlx_voicechat_plugin.model`) computes with plain MLX operations
+and makes no assumption about the device; the runtime schedules its work on the model's own
+device. Everything that only pays on MLX's CPU backend -- the exact native kernels, products
+split over two CPU streams, float32 transposed weight copies for the reference BLAS, the
+GELU table, the worker threads' extra CPU streams -- lives in :mod:`.cpu`, which
+:func:`install` puts onto a model at load time when, and only when, the model computes on
+the CPU (:func:`.device.model_device`). On a GPU nothing of :mod:`.cpu` is imported,
+compiled or run.
+
+Neither the model nor the runtime imports this package: ``Model.load_weights`` calls
+:func:`install` through a lazy import that treats a missing package as "no acceleration",
+so deleting ``accel/`` leaves a working, slower model. ``MLX_VOICECHAT_CPU_ACCEL=0``
+switches the whole layer off.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import device
+
+#: Environment switch: ``0`` installs no acceleration layer.
+ACCEL_ENV = "MLX_VOICECHAT_CPU_ACCEL"
+
+
+def enabled() -> bool:
+    """False when ``MLX_VOICECHAT_CPU_ACCEL`` is ``0`` / ``false`` / ``no`` / ``off``."""
+    return os.environ.get(ACCEL_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def install(model) -> str | None:
+    """Install the acceleration layer for the model's device onto ``model`` (a loaded
+    :class:`~mlx_voicechat_plugin.model.Model`, after its weights are loaded and
+    quantized).
+
+    Returns:
+        ``"cpu"`` when the CPU layer was installed; None when nothing applies (a GPU
+        device, or :data:`ACCEL_ENV` is ``0``).
+    """
+    if not enabled() or device.model_device() != "cpu":
+        return None
+    from .cpu import install as install_cpu
+
+    return install_cpu(model)

@@ -1,0 +1,290 @@
+"""Exact CPU kernels for MLX (a small compiled MLX extension), with MLX fallbacks.
+
+Each kernel computes what one MLX operation computes on the CPU, in the same order and with
+the same roundings, so results are bit-identical; only faster. The model calls the
+wrappers here: :func:`matmul` / :func:`linear`, :func:`depthwise_conv1d`, :func:`rms_norm`,
+:func:`rvq_encode` and :func:`lookup16`.
+
+**Products.** MLX's CPU backend computes float32 products with the reference BLAS ``sgemm`` and
+bfloat16/float16 products with its own scalar ``simd_gemm``. Both give each output the
+in-order float32 sum over the shared dimension (every product and sum rounded, no fused
+multiply-add) and round it once to the output dtype. ``kernels.cpp`` computes that
+same sum in that same order, vectorised across output columns and blocked across rows: the
+results are bit-identical to ``mx.matmul`` / ``mx.addmm`` and several times faster on rows
+of activations (10-15x at 64-441 rows, about 2.5x for two rows against a float32 weight on
+the machine in ``docs/performance.md``).
+
+**Depthwise convolutions** (``nn.Conv1d`` with ``groups`` equal to the channels: the codec's
+ConvNeXt blocks, the conformer's convolution module, the Mamba layers): MLX sums the taps in
+order in float32 and rounds once; the kernel does the same, vectorised across channels
+(about 30x faster than MLX's CPU convolution on the codec's long inputs).
+
+**Table lookups** (the codec's bfloat16 GELU, :mod:`~mlx_voicechat_plugin.accel.cpu.activations`):
+``table[bits(x)]`` as a contiguous loop (about 15x faster than MLX's general gather).
+
+"Bit-identical" means every numeric result; where a result is NaN it is NaN in both, but
+its sign/payload may differ when NaNs of opposite sign meet in one addition (IEEE leaves
+which one propagates unspecified, and compilers may swap the operands of an addition).
+
+Each wrapper runs the extension when it was loaded (by :func:`available`, which the CPU
+layer calls when it is installed on a CPU-device model: the build never happens in the
+middle of a turn) and the default device is the CPU, and the MLX operation otherwise (a
+machine without a C++ compiler, ``MLX_VOICECHAT_NATIVE=0``, a GPU default device); either
+way the result is the same array. The extension is built once (:mod:`.build`, a few
+seconds, cached per machine); :func:`status` says whether it is in use and why not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import mlx.core as mx
+
+#: Environment switch: ``0`` keeps MLX's own products everywhere.
+NATIVE_ENV = "MLX_VOICECHAT_NATIVE"
+
+_SUPPORTED = (mx.float32, mx.bfloat16, mx.float16)
+_lock = threading.Lock()
+_state: dict = {"module": None, "reason": None, "tried": False}
+_log = logging.getLogger(__name__)
+
+
+def _switched_off() -> bool:
+    return os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _self_test(module) -> None:
+    """Compare the kernel with MLX's products on awkward shapes; raise on any bit difference."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    with mx.stream(mx.cpu):
+        for dtype in _SUPPORTED:
+            for rows, inner, outputs in ((1, 3, 1), (2, 37, 33), (5, 64, 70), (9, 130, 40)):
+                a = mx.array(rng.standard_normal((rows, inner)).astype(np.float32)).astype(dtype)
+                w = mx.array(rng.standard_normal((outputs, inner)).astype(np.float32)).astype(dtype)
+                c = mx.array(rng.standard_normal(outputs).astype(np.float32) * 8).astype(dtype)
+                wt = mx.contiguous(w.T)
+                expected = [
+                    a @ w.T,
+                    a @ wt,
+                    (a @ w.T) + c if dtype == mx.float32 else mx.addmm(c, a, w.T),
+                ]
+                got = [
+                    module.exact_matmul(a, w.T),
+                    module.exact_matmul(a, wt),
+                    module.exact_matmul(a, w.T, c),
+                ]
+                for want, have in zip(expected, got):
+                    if not mx.array_equal(want, have).item() or have.dtype != want.dtype:
+                        raise RuntimeError(
+                            f"self-test mismatch for {dtype} {rows}x{inner}x{outputs}"
+                        )
+
+
+def _load():
+    with _lock:
+        if _state["tried"]:
+            return _state["module"]
+        _state["tried"] = True
+        if _switched_off():
+            _state["reason"] = f"disabled by {NATIVE_ENV}=0"
+            return None
+        from .build import BuildError, load
+
+        try:
+            module = load()
+            _self_test(module)
+        except Exception as error:  # noqa: BLE001 - any failure means MLX's own operations
+            _state["reason"] = str(error) if isinstance(error, BuildError) else f"{type(error).__name__}: {error}"
+            _log.warning(
+                "mlx-voicechat-plugin: native CPU kernels unavailable (%s); using MLX's own "
+                "operations (identical results, slower)",
+                str(error).splitlines()[0],
+            )
+            return None
+        _state["module"] = module
+        return module
+
+
+def available() -> bool:
+    """True when the extension is built, loaded and passed its self-test (builds on first call)."""
+    if _switched_off():
+        return False
+    return _load() is not None
+
+
+def status() -> str:
+    """One line: ``"in use"`` or why MLX's own operations are used."""
+    if _switched_off():
+        return f"off ({NATIVE_ENV}=0)"
+    module = _load()
+    return "in use" if module is not None else f"unavailable: {_state['reason']}"
+
+
+def reset() -> None:
+    """Forget the load attempt (tests; after changing :data:`NATIVE_ENV`)."""
+    with _lock:
+        _state.update(module=None, reason=None, tried=False)
+
+
+def usable(a: mx.array, b: mx.array) -> bool:
+    """Whether :func:`matmul` would run the extension for these operands."""
+    return (
+        b.ndim == 2 and a.ndim >= 1 and a.dtype == b.dtype and a.dtype in _SUPPORTED and active()
+    )
+
+
+def active() -> bool:
+    """True when the wrappers run the extension now: it was loaded by :func:`available`
+    (never built here), it is not switched off and the default device is the CPU."""
+    return _state["module"] is not None and not _switched_off() and mx.default_device() == mx.cpu
+
+
+
+
+def depthwise_conv1d(x: mx.array, weight: mx.array, padding: int = 0) -> mx.array:
+    """``mx.conv1d(x, weight, padding=padding, groups=C)``, bit for bit.
+
+    Args:
+        x: ``(B, T, C)`` activations.
+        weight: ``(C, K, 1)`` per-channel taps, same dtype as ``x``.
+        padding: zeros on both sides (multiplied in, as MLX's zero padding is).
+
+    Returns:
+        ``(B, T + 2 * padding - K + 1, C)``.
+    """
+    if (
+        x.ndim == 3
+        and weight.ndim == 3
+        and weight.shape[2] == 1
+        and weight.shape[0] == x.shape[2]
+        and x.dtype == weight.dtype
+        and x.dtype in _SUPPORTED
+        and padding >= 0
+        and active()
+    ):
+        return _state["module"].depthwise_conv1d(x, weight, padding)
+    if x.ndim == 3 and x.shape[-1] == 0 and weight.ndim == 3:  # MLX's conv aborts on 0 groups
+        steps = max(x.shape[1] + 2 * padding - weight.shape[1] + 1, 0)
+        return mx.zeros((x.shape[0], steps, 0), dtype=mx.result_type(x, weight))
+    return mx.conv1d(x, weight, padding=padding, groups=x.shape[-1])
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """``mx.fast.rms_norm(x, weight, eps)``, bit for bit (one kernel instead of the eight
+    operations MLX's CPU backend runs: float32 square, in-order sum, times ``1 / n``, plus
+    ``eps``, ``1 / sqrt``, scale, cast, times ``weight``).
+
+    Args:
+        x: ``(..., n)``.
+        weight: ``(n,)``; the kernel runs when it has ``x``'s dtype or a narrower one
+            (cast first, as ``mx.fast.rms_norm`` casts it).
+    """
+    if weight is None:
+        return mx.fast.rms_norm(x, None, eps)
+    if weight.dtype != x.dtype and x.dtype in _SUPPORTED and mx.result_type(x, weight) == x.dtype:
+        weight = weight.astype(x.dtype)  # what mx.fast.rms_norm does with a narrower weight
+    if (
+        weight.ndim == 1
+        and x.ndim >= 1
+        and weight.shape[0] == x.shape[-1]
+        and x.dtype == weight.dtype
+        and x.dtype in _SUPPORTED
+        and active()
+    ):
+        return _state["module"].rms_norm(x, weight, eps)
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def rvq_encode(
+    residual: mx.array, norms: mx.array, books: mx.array, embeddings: mx.array, start: int, count: int
+) -> mx.array | None:
+    """EAR-TTS's nearest-codeword steps for codebooks ``[start, start + count)`` in one kernel,
+    or None when the kernel is unavailable (the caller runs upstream's loop).
+
+    Bit-identical to upstream ``RVQEARTTSModel._rvq_encode_step``: per codebook ``q``,
+    ``argmin(norms[q] - 2 * residual @ books[q])`` (the product summed in ``mx.matmul``'s
+    order; the first minimum, or the first NaN as ``mx.argmin`` picks it), then
+    ``residual -= embeddings[q][index]``.
+
+    Args:
+        residual: ``(..., L)`` float32.
+        norms: ``(Q, C)`` squared codeword norms (float32 or bfloat16).
+        books: ``(Q, L, C)`` float32 transposed codebooks.
+        embeddings: ``(Q, C, L)`` codebooks (float32 or bfloat16).
+
+    Returns:
+        ``(..., count)`` uint32 indices (``mx.argmin``'s dtype), or None.
+    """
+    if residual.dtype != mx.float32 or books.dtype != mx.float32 or not active():
+        return None
+    return _state["module"].rvq_encode(residual, norms, books, embeddings, start, count)
+
+
+def lookup16(x: mx.array, table: mx.array) -> mx.array:
+    """``mx.take(table, x.view(mx.uint16))`` for bfloat16/float16 ``x`` and a ``(65536,)``
+    ``table`` of the same dtype: the table entry for each element's bit pattern."""
+    if (
+        x.dtype in (mx.bfloat16, mx.float16)
+        and table.dtype == x.dtype
+        and table.shape == (65536,)
+        and active()
+    ):
+        return _state["module"].lookup16(x, table)
+    return mx.take(table, x.view(mx.uint16))
+
+
+def matmul(a: mx.array, b: mx.array, bias: mx.array | None = None) -> mx.array:
+    """``a @ b`` (plus ``bias``), bit-identical to MLX's CPU product, faster when possible.
+
+    Args:
+        a: ``(..., K)`` activations; or ``(..., M, K)`` with a batched ``b``.
+        b: ``(K, N)`` matrix (any strides, e.g. ``weight.T`` of an ``(N, K)`` weight), or
+            ``(..., K, N)`` batched (batch axes broadcast as ``mx.matmul`` does; no bias).
+        bias: optional ``(N,)``. float32: ``(a @ b) + bias``; bfloat16/float16:
+            ``mx.addmm(bias, a, b)`` (the float32 sum plus the bias, rounded once), i.e.
+            exactly what :class:`mlx.nn.Linear` computes for that dtype.
+
+    Returns:
+        ``(..., N)`` in the operands' dtype.
+
+    Raises:
+        ValueError: shapes that ``mx.matmul`` also rejects.
+    """
+    if bias is not None and (bias.ndim != 1 or bias.dtype != a.dtype or b.ndim != 2 or bias.shape[0] != b.shape[1]):
+        return _reference(a, b, bias)
+    if usable(a, b):
+        return _state["module"].exact_matmul(a, b, bias)
+    if bias is None and b.ndim > 2 and a.ndim >= 2 and a.dtype == b.dtype and a.dtype in _SUPPORTED and active():
+        return _state["module"].exact_matmul(a, b)  # batched, broadcasting like mx.matmul
+    return _reference(a, b, bias)
+
+
+def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+    """``x @ weight.T`` (plus ``bias``) as :class:`mlx.nn.Linear` computes it, bit for bit.
+
+    Same as :func:`matmul` with ``b = weight.T``, without building the transpose.
+
+    Args:
+        x: ``(..., K)``.
+        weight: ``(N, K)``.
+        bias: optional ``(N,)`` (see :func:`matmul` for how it is added).
+    """
+    if bias is not None and (
+        bias.ndim != 1 or bias.dtype != x.dtype or weight.ndim != 2 or bias.shape[0] != weight.shape[0]
+    ):
+        return _reference(x, weight.T, bias)
+    if weight.ndim == 2 and x.ndim >= 1 and x.dtype == weight.dtype and x.dtype in _SUPPORTED and active():
+        return _state["module"].exact_matmul(x, weight, bias, True)
+    return _reference(x, weight.T, bias)
+
+
+def _reference(a: mx.array, b: mx.array, bias: mx.array | None) -> mx.array:
+    if bias is None:
+        return a @ b
+    if a.dtype == mx.float32:
+        return (a @ b) + bias
+    return mx.addmm(bias, a, b)
