@@ -328,3 +328,34 @@ def test_a_second_connection_gets_a_ga_server_busy_error_and_1013(server):
             with pytest.raises(ConnectionClosed) as closed:
                 second.recv()
             assert closed.value.rcvd.code == 1013
+
+
+def test_session_length_limit_applies(tiny, engine, question_24k):
+    with ServerHandle(server_settings(tiny, max_session_seconds=0.4), engine) as short:
+        with _ga(short) as client:
+            client.recv()
+            client.send({"type": "session.update", "session": {"output_modalities": ["text"]}})
+            client.recv()
+            _append_all(client, question_24k[:24_000])  # 1 s > 0.4 s
+            events = client.until("error")
+            assert events[-1]["error"]["type"] == "server_error" and "0.4" in events[-1]["error"]["message"]
+            client.send({"type": "session.update", "session": {}})
+            assert client.until("session.updated")  # the connection stays open
+        short.wait_slot_free()
+
+
+@pytest.mark.parametrize("configure", [False, True])
+def test_configure_deadline_and_idle_clock_close_with_1008(tiny, engine, configure):
+    settings = server_settings(tiny, session_update_timeout=0.5, idle_timeout=0.5)
+    with ServerHandle(settings, engine) as timed:
+        with _ga(timed) as client:
+            client.recv()
+            if configure:
+                client.send({"type": "session.update", "session": {}})
+                client.recv()
+            error = client.error(timeout=10)
+            assert error["code"] == "invalid_request"
+            with pytest.raises(ConnectionClosed) as closed:
+                client.recv(timeout=10)
+            assert closed.value.rcvd.code == 1008
+        timed.wait_slot_free()
