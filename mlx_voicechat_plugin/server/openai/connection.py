@@ -46,6 +46,7 @@ class OpenAIConnection(Connection):
 
     # ------------------------------------------------------------------ shape
     def greeting(self) -> dict:
+        """``session.created`` with the GA session object (the defaults)."""
         return {"type": "session.created", "session": self._session()}
 
     def _session(self) -> dict:
@@ -53,6 +54,7 @@ class OpenAIConnection(Connection):
         return session_config.session_object(self.config, self.session_id, self.settings.model_id, instructions)
 
     async def send_error(self, code: str, message: str, param: str | None = None, event_id: str | None = None) -> None:
+        """An ``error`` event in the GA shape (also for the base class's transport errors)."""
         await self.send(error_event(code, message, param=param, event_id=event_id))
 
     async def _send_all(self, events: list[dict]) -> None:
