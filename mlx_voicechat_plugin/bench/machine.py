@@ -99,9 +99,14 @@ def describe() -> dict:
 
 
 def _native_status() -> str:
-    from .. import native
+    import importlib
 
-    return native.status()
+    for name in ("mlx_voicechat_plugin.accel.cpu.native", "mlx_voicechat_plugin.native"):
+        try:
+            return importlib.import_module(name).status()
+        except ImportError:
+            continue
+    return "not part of this version"
 
 
 def peak_rss_mib() -> float:
