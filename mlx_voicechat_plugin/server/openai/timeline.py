@@ -175,8 +175,9 @@ class Timeline:
                 raise RealtimeError(
                     "input_audio_buffer_commit_empty", "the input audio buffer is empty: append audio before commit"
                 )
-            # audio was heard but no item opened yet (shorter than a frame): open one now
-            events = self._open_user_item(self.user_start_frame)
+            # audio was heard but no item opened yet (silence under turn detection, or less
+            # than a frame): the item starts at the next frame of the timeline
+            events = self._open_user_item(self.last_frame + 1)
         else:
             events = []
         item_id, transcript = self.user_item, "".join(self.user_parts).strip()
