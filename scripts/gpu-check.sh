@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# GPU check: this package on an NVIDIA GPU through MLX's CUDA backend.
+#
+#   scripts/gpu-check.sh             on a Linux machine with an NVIDIA GPU (CUDA 12 driver):
+#                                    creates .venv-gpu with mlx[cuda12] at the pinned MLX
+#                                    version, installs this checkout, builds the small and
+#                                    medium demo checkpoints, runs the tests marked `gpu`
+#                                    (ours vs upstream on the GPU within the stated tolerance,
+#                                    no CPU stream or CPU layer used), then the bench's
+#                                    streaming and offline figures.
+#   scripts/gpu-check.sh --dry-run   the CPU-only parts, with the current environment's
+#                                    Python: the `gpu` tests (they skip off a GPU) and a short
+#                                    bench on the tiny preset. Add --no-bench to skip the bench.
+#   scripts/gpu-check.sh --plan      print the commands of a full run, run nothing.
+#
+# Results go to $GPU_CHECK_OUT (default artifacts/gpu-check): gpu-tests.log, bench.json,
+# bench.md. Environment: MLX_VERSION (default: the version tested here, below),
+# GPU_CHECK_VENV (default .venv-gpu), PYTHON (default python3 to create the venv;
+# --dry-run uses .venv/bin/python when present). See docs/performance.md, "GPU check".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# mlx-vlm[cuda] pulls a stale mlx-cuda; pin MLX itself (the version the tests ran with).
+MLX_VERSION="${MLX_VERSION:-0.32.4}"
+VENV="${GPU_CHECK_VENV:-.venv-gpu}"
+OUT="${GPU_CHECK_OUT:-artifacts/gpu-check}"
+MODE=full
+BENCH=1
+
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) MODE=dry ;;
+    --plan) MODE=plan ;;
+    --no-bench) BENCH=0 ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu-check.sh: unknown option $arg (use --dry-run, --plan, --no-bench or --help)" >&2; exit 2 ;;
+  esac
+done
+
+run() {
+  echo "+ $*"
+  if [ "$MODE" != plan ]; then "$@"; fi
+}
+
+if [ "$MODE" = dry ]; then
+  PY="${PYTHON:-}"
+  if [ -z "$PY" ]; then
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+  fi
+  mkdir -p "$OUT"
+  echo "[gpu-check] dry run (CPU-only parts) with $PY"
+  "$PY" -c 'import mlx.core as mx; print("[gpu-check] MLX", mx.__version__, "default device", mx.default_device())'
+  "$PY" -m pytest -q -m gpu -rs tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log"
+  if [ "$BENCH" = 1 ]; then
+    "$PY" -m mlx_voicechat_plugin.bench --presets tiny --bits bf16 --repeats 1 --extra-seconds 0 \
+      --graph-frames 2 --offline-preset tiny --offline-seconds 2 --recompute-limit 0 \
+      --json "$OUT/bench.json" --markdown "$OUT/bench.md"
+  fi
+  echo "[gpu-check] dry run done; results in $OUT"
+  exit 0
+fi
+
+if [ "$MODE" = full ]; then
+  if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu-check.sh: no NVIDIA GPU found (nvidia-smi missing or failing); run --dry-run for the CPU-only parts" >&2
+    exit 1
+  fi
+  nvidia-smi -L
+fi
+
+PY="$VENV/bin/python"
+run "${PYTHON:-python3}" -m venv "$VENV"
+run "$PY" -m pip install -q --upgrade pip
+run "$PY" -m pip install -q "mlx[cuda12]==$MLX_VERSION"
+run "$PY" -m pip install -q -e '.[dev,server]'
+# This package depends on mlx[cpu] on Linux; keep only the CUDA backend's files.
+if [ "$MODE" = plan ] || "$PY" -m pip show -q mlx-cpu >/dev/null 2>&1; then
+  run "$PY" -m pip uninstall -q -y mlx-cpu
+  run "$PY" -m pip install -q --force-reinstall --no-deps "mlx-cuda-12==$MLX_VERSION"
+fi
+run "$PY" -c 'import mlx.core as mx; d = mx.default_device(); print("[gpu-check] MLX", mx.__version__, d); assert d.type == mx.DeviceType.gpu, "MLX default device is not a GPU"'
+run mkdir -p "$OUT"
+for preset in small medium; do
+  run "$PY" -m mlx_voicechat_plugin.demo build "$OUT/$preset" --preset "$preset" --overwrite
+done
+TESTS=0
+echo "+ $PY -m pytest -v -s -m gpu -rA tests/test_gpu.py | tee $OUT/gpu-tests.log"
+if [ "$MODE" = full ]; then
+  # A failing test is reported at the end; the bench still runs.
+  "$PY" -m pytest -v -s -m gpu -rA tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" || TESTS=$?
+fi
+if [ "$BENCH" = 1 ]; then
+  run "$PY" -m mlx_voicechat_plugin.bench --presets --model "$OUT/small" "$OUT/medium" --bits bf16 \
+    --repeats 2 --offline-model "$OUT/medium" --offline-seconds 4 16 \
+    --json "$OUT/bench.json" --markdown "$OUT/bench.md"
+fi
+echo "[gpu-check] done; results in $OUT (record them in docs/performance.md)"
+if [ "$TESTS" != 0 ]; then
+  echo "gpu-check.sh: the gpu tests failed (see $OUT/gpu-tests.log)" >&2
+  exit "$TESTS"
+fi
