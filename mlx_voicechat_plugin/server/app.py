@@ -5,6 +5,9 @@ Routes (all under ``--api-prefix``):
 * ``GET  /v1/realtime`` -- the WebSocket (:mod:`.connection`), gated by API key and Origin;
 * ``GET  /health`` -- ``{"status", "engine_alive", "session_slot", "model"}``; 200 while the
   engine thread is alive, 503 otherwise (for load balancers);
+* ``GET  /ready`` -- 200 while the engine is alive and a session slot is free, 503 when
+  every slot is busy (or the engine is down): the load balancer / Kubernetes readiness check;
+* ``GET  /metrics`` -- Prometheus text format (:mod:`.metrics`);
 * ``GET  /v1/models`` -- the served model id;
 * ``GET  /voicechat`` -- the bundled browser voice-chat page (self-contained HTML);
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/messages`` --
@@ -84,6 +87,7 @@ def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engin
     async def realtime(websocket: WebSocket):
         headers = websocket.headers
         if not origin_allowed(headers.get("origin"), headers.get("host"), settings.allowed_origins, settings.allowed_hosts):
+            engine.metrics.reject("origin")
             await _deny(websocket, 403, "this Origin is not allowed to open the realtime WebSocket")
             return
         offered = list(websocket.scope.get("subprotocols") or [])
@@ -95,6 +99,7 @@ def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engin
         dialect = openai_dialect if use_openai else None
         key = (dialect.presented_key if dialect else presented_key)(headers.get("authorization"), offered)
         if not key_matches(settings.api_key, key):
+            engine.metrics.reject("unauthorized")
             await _deny(websocket, 401, "missing or wrong API key (send Authorization: Bearer <key>)")
             return
         await websocket.accept(subprotocol=(dialect.accepted_subprotocol if dialect else accepted_subprotocol)(offered))
@@ -112,9 +117,26 @@ def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engin
             "status": "ok" if alive else "unavailable",
             "engine_alive": alive,
             "session_slot": "free" if engine.slot_free else "busy",
+            "sessions_active": engine.sessions_active,
+            "sessions_max": engine.max_sessions,
             "model": settings.model_id,
         }
         return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.api_route(settings.path("/ready"), methods=["GET", "HEAD"])
+    async def ready():
+        active, alive = engine.sessions_active, engine.alive
+        is_ready = alive and active < engine.max_sessions
+        body = {"ready": is_ready, "engine_alive": alive, "sessions_active": active, "sessions_max": engine.max_sessions}
+        return JSONResponse(body, status_code=200 if is_ready else 503, headers={"Cache-Control": "no-store"})
+
+    @app.get(settings.path("/metrics"))
+    async def metrics():
+        from fastapi.responses import Response
+
+        from .metrics import CONTENT_TYPE
+
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get(settings.path("/v1/models"))
     async def models():

@@ -36,6 +36,17 @@ def _port(text: str) -> int:
     return value
 
 
+def _sessions(text: str) -> int:
+    """``--max-sessions``: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of sessions: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--max-sessions must be at least 1, got {value}")
+    return value
+
+
 def _check_bind(host: str, port: int) -> str | None:
     """Return why ``host:port`` cannot be bound, or None (checked before loading the model)."""
     import socket
@@ -68,6 +79,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT, help=argparse.SUPPRESS)
     parser.add_argument("--max-session-seconds", type=float, default=MAX_SESSION_SECONDS, help=argparse.SUPPRESS)
     parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help=argparse.SUPPRESS)
+    parser.add_argument("--max-sessions", type=_sessions, default=1, help="conversations served at once, advanced together in one batched step per 80 ms frame; the next connection gets server_busy (default 1)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_mlx_vlm_options(parser, SERVER_FLAGS)
     return parser
@@ -137,7 +149,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve") ->
 
         return load(model_path)
 
-    engine = RealtimeEngine(loader)
+    engine = RealtimeEngine(loader, max_sessions=args.max_sessions)
     try:
         engine.start()
     except RuntimeError as error:
