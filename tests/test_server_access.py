@@ -246,17 +246,17 @@ def test_health_and_models(plain, tiny):
 
 # ---------------------------------------------------------------------- serve command
 def test_serve_command_wires_settings_into_uvicorn(tiny, monkeypatch):
-    import uvicorn
-
-    from mlx_voicechat_plugin.server import cli
+    from mlx_voicechat_plugin.server import cli, serving
 
     captured = {}
 
-    def fake_run(app, **kwargs):
-        captured["app"], captured["kwargs"] = app, kwargs
-        assert app.state.engine.alive
+    def fake_run(server, sockets=None):
+        config = server.config
+        captured["app"] = config.app
+        captured["kwargs"] = {"ws_max_size": config.ws_max_size, "host": config.host}
+        assert config.app.state.engine.alive
 
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(serving.VoiceChatServer, "run", fake_run)
     monkeypatch.setenv("MLX_VOICECHAT_API_KEY", "from-env")
     argv = [
         "--model",
@@ -266,7 +266,7 @@ def test_serve_command_wires_settings_into_uvicorn(tiny, monkeypatch):
         "--cors-origins",
         "http://a.example, http://b.example",
     ]
-    assert cli.main(argv + ["--allowed-origins", "http://c.example", "--unknown-flag"]) == 0
+    assert cli.main(argv + ["--allowed-origins", "http://c.example"], hard_exit=False) == 0
     settings = captured["app"].state.settings
     assert settings.model_id == tiny.name.lower()
     assert settings.api_key == "from-env"
@@ -281,7 +281,7 @@ def test_serve_command_wires_settings_into_uvicorn(tiny, monkeypatch):
     ) == (600.0, 30.0, 120.0)
     assert not captured["app"].state.engine.alive, "the engine stops when the server returns"
 
-    assert cli.main(["--model", str(tiny), "--alias", "served-name", "--api-key", "k"]) == 0
+    assert cli.main(["--model", str(tiny), "--alias", "served-name", "--api-key", "k"], hard_exit=False) == 0
     assert captured["app"].state.settings.model_id == "served-name"
     assert captured["app"].state.settings.api_key == "k"
 

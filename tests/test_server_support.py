@@ -30,6 +30,7 @@ from websockets.sync.client import connect
 
 from mlx_voicechat_plugin.server.app import create_app
 from mlx_voicechat_plugin.server.engine import RealtimeEngine
+from mlx_voicechat_plugin.server.serving import build_server
 from mlx_voicechat_plugin.server.settings import ServerSettings
 
 FRAME = 1280
@@ -92,8 +93,6 @@ class ServerHandle:
     def __init__(
         self, settings: ServerSettings, engine: RealtimeEngine, *, ws_max_size: int | None = None
     ):
-        import uvicorn
-
         self.settings = settings
         self.engine = engine
         self.app = create_app(settings, engine)
@@ -101,15 +100,15 @@ class ServerHandle:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
-        config = uvicorn.Config(
+        # The CLI's server (limits, guarded protocols) with test logging.
+        self.server = build_server(
             self.app,
+            settings,
             ws_max_size=ws_max_size or settings.max_message_bytes,
             log_level="warning",
             access_log=False,
             lifespan="on",
-            timeout_graceful_shutdown=5,
         )
-        self.server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self.server.run,
             kwargs={"sockets": [self._sock]},
@@ -358,12 +357,21 @@ def check_event(event) -> None:
 class RawClient:
     """A minimal RFC 6455 client on a plain socket (text frames, no extensions)."""
 
-    def __init__(self, host: str, port: int, path: str, headers: dict | None = None):
-        self.sock = socket.create_connection((host, port), timeout=10)
+    def __init__(
+        self, host: str, port: int, path: str, headers: dict | None = None, *, rcvbuf: int | None = None
+    ):
+        if rcvbuf is None:
+            self.sock = socket.create_connection((host, port), timeout=10)
+        else:  # a small receive window, set before connecting (a client that reads slowly)
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            self.sock.settimeout(10)
+            self.sock.connect((host, port))
+        headers = dict(headers or {})
         key = base64.b64encode(os.urandom(16)).decode()
         lines = [
             f"GET {path} HTTP/1.1",
-            f"Host: {host}:{port}",
+            f"Host: {headers.pop('Host', f'{host}:{port}')}",
             "Upgrade: websocket",
             "Connection: Upgrade",
             f"Sec-WebSocket-Key: {key}",
@@ -381,8 +389,11 @@ class RawClient:
         self.status = int(head.split(b" ", 2)[1])
 
     def send_text(self, text: str) -> None:
-        payload = text.encode()
-        header = bytes([0x81])
+        self.send_frame(0x1, text.encode())
+
+    def send_frame(self, opcode: int, payload: bytes) -> None:
+        """One final, masked frame (0x1 text, 0x9 ping, ...)."""
+        header = bytes([0x80 | opcode])
         mask_bit = 0x80
         if len(payload) < 126:
             header += bytes([mask_bit | len(payload)])
@@ -391,7 +402,8 @@ class RawClient:
         else:
             header += bytes([mask_bit | 127]) + struct.pack("!Q", len(payload))
         mask = os.urandom(4)
-        masked = bytes(byte ^ mask[index % 4] for index, byte in enumerate(payload))
+        key = np.resize(np.frombuffer(mask, np.uint8), len(payload))
+        masked = (np.frombuffer(payload, np.uint8) ^ key).tobytes()
         self.sock.sendall(header + mask + masked)
 
     def _read(self, count: int) -> bytes:

@@ -167,7 +167,11 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat generate")
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted; no output written", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        # Worker threads may be inside MLX right now: ending the interpreter normally
+        # would abort (exit 134); see runtime.process_exit.
+        from ..runtime.process_exit import exit_process
+
+        exit_process(EXIT_INTERRUPTED)
     except (ValueError, OSError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_FAILURE

@@ -29,7 +29,13 @@ from .connection import Connection
 from .engine import RealtimeEngine
 from .openai import dialect as openai_dialect
 from .openai.connection import OpenAIConnection
-from .security import HostGuardMiddleware, accepted_subprotocol, key_matches, origin_allowed, presented_key
+from .security import (
+    HostGuardMiddleware,
+    accepted_subprotocol,
+    key_matches,
+    origin_allowed,
+    presented_key,
+)
 from .settings import ServerSettings
 
 CHAT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")

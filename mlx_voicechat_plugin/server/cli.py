@@ -16,7 +16,16 @@ from pathlib import Path
 
 from ..cli.compat import SERVER_FLAGS, add_mlx_vlm_options, ignored_note
 from ..exit_codes import EXIT_FAILURE, EXIT_OK, EXIT_STATUS_HELP, EXIT_USAGE
-from .settings import IDLE_TIMEOUT, MAX_MESSAGE_BYTES, MAX_SESSION_SECONDS, SESSION_UPDATE_TIMEOUT
+from .settings import (
+    HEADER_TIMEOUT,
+    IDLE_TIMEOUT,
+    MAX_CONNECTIONS,
+    MAX_MESSAGE_BYTES,
+    MAX_QUEUED_MESSAGES,
+    MAX_SESSION_SECONDS,
+    SEND_TIMEOUT,
+    SESSION_UPDATE_TIMEOUT,
+)
 
 
 def _origins(values: list[str] | None) -> list[str]:
@@ -80,6 +89,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-session-seconds", type=float, default=MAX_SESSION_SECONDS, help=argparse.SUPPRESS)
     parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help=argparse.SUPPRESS)
     parser.add_argument("--max-sessions", type=_sessions, default=1, help="conversations served at once, advanced together in one batched step per 80 ms frame; the next connection gets server_busy (default 1)")
+    parser.add_argument("--allowed-hosts", action="append", default=None, help="host names the server may be reached under besides IP addresses and localhost (DNS rebinding guard; comma/space separated; '*' for any)")
+    parser.add_argument("--send-timeout", type=float, default=SEND_TIMEOUT, help=f"seconds a client may take to read each event before its session is dropped (default {SEND_TIMEOUT:g})")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help=f"open connections; more are refused with 503 (default {MAX_CONNECTIONS})")
+    parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT, help=f"seconds to receive a request's headers (default {HEADER_TIMEOUT:g})")
+    parser.add_argument("--max-queued-messages", type=int, default=MAX_QUEUED_MESSAGES, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_mlx_vlm_options(parser, SERVER_FLAGS)
     return parser
@@ -92,8 +106,25 @@ def _public_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve") -> int:
-    """Parse arguments, load the checkpoint on the engine thread, run uvicorn."""
+def _bind_names(host: str) -> list[str]:
+    """``--host`` when it is a name (an IP address or wildcard is always allowed)."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return [host] if host.strip() else []
+    return []
+
+
+def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve", hard_exit: bool = True) -> int:
+    """Parse arguments, load the checkpoint on the engine thread, run uvicorn.
+
+    Once the server has run (or its loading was interrupted), the process ends through
+    :func:`~..runtime.process_exit.exit_process` with the status (130 after Ctrl-C, 143
+    after SIGTERM) unless ``hard_exit`` is False (tests calling it in-process): an
+    interpreter finalising while MLX threads exist would abort (exit 134).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser(prog).parse_args(argv)  # unknown options: usage line + exit 2
@@ -113,8 +144,6 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve") ->
             print(f"error: {error}", file=sys.stderr)
             return EXIT_USAGE
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import uvicorn
-
     from .app import create_app
     from .engine import RealtimeEngine
     from .settings import ServerSettings
@@ -139,6 +168,11 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve") ->
             session_update_timeout=args.session_update_timeout,
             idle_timeout=args.idle_timeout,
             demo_checkpoint=is_demo_checkpoint(model_path),
+            allowed_hosts=tuple(_origins(args.allowed_hosts) + _bind_names(args.host)),
+            send_timeout=args.send_timeout,
+            max_queued_messages=args.max_queued_messages,
+            header_timeout=args.header_timeout,
+            max_connections=args.max_connections,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -149,12 +183,24 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve") ->
 
         return load(model_path)
 
+    from ..runtime.process_exit import exit_process
+    from .serving import build_server
+
+    def finish(status: int) -> int:
+        engine.stop()
+        if hard_exit:
+            exit_process(status)
+        return status
+
     engine = RealtimeEngine(loader, max_sessions=args.max_sessions)
     try:
         engine.start()
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return finish(EXIT_FAILURE)
+    except KeyboardInterrupt:
+        print("interrupted while loading the checkpoint", file=sys.stderr)
+        return finish(130)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     app = create_app(settings, engine)
     address = f"{_public_host(args.host)}:{args.port}"
@@ -164,21 +210,13 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve") ->
         f"  browser page:       http://{address}{settings.path('/voicechat')}",
         file=sys.stderr,
     )
+    server = build_server(app, settings, host=args.host, port=args.port, log_level=args.log_level)
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            ws_max_size=settings.max_message_bytes,
-            ws_ping_interval=20.0,
-            ws_ping_timeout=20.0,
-            server_header=False,
-        )
+        server.run()
     except SystemExit as exit_:  # uvicorn exits when it cannot bind after all (a race)
         print(f"error: could not serve on {args.host}:{args.port}", file=sys.stderr)
-        return int(exit_.code or 1)
-    finally:
-        engine.stop()
-    return 0
+        return finish(int(exit_.code or 1))
+    except KeyboardInterrupt:  # a second Ctrl-C during the shutdown
+        return finish(130)
+    return finish(server.exit_status)
 

@@ -6,6 +6,16 @@ Appends run one 1280-sample slice per engine call, sending each slice's events b
 next slice; a cancel takes effect at the next slice boundary. The slot is released after
 ``commit`` / ``cancel`` (before the close frame) and when the client disconnects (the
 unflushed session is cancelled first).
+
+Hostile clients (``docs/protocol.md``, "Limits"):
+
+* every send (and the close frame) must complete within ``send_timeout`` seconds; a client
+  that stops reading loses its session, its slot and its socket (aborted) when it passes;
+* the inbox holds at most ``max_queued_messages`` messages; when it is full the reader
+  stops reading the socket (uvicorn pauses the transport, TCP pushes back on the client)
+  until the handler catches up -- a flood is throttled, never buffered. A cancel sent
+  behind a full inbox is seen once the inbox has room for it;
+* a disconnect stops a running append at the next slice boundary.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from .protocol import (
     ProtocolError,
 )
 from .settings import ServerSettings
+from .transport_guards import ABORT_EXTENSION
 
 logger = logging.getLogger("mlx_voicechat_plugin.server")
 
@@ -53,7 +64,11 @@ class Connection:
         self.engine = engine
         self.settings = settings
         self.session_id = protocol.new_session_id()
-        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.inbox: asyncio.Queue = asyncio.Queue(maxsize=settings.max_queued_messages)
+        # Most messages ever waiting in the inbox at once (bounded by its maxsize).
+        self.inbox_peak = 0
+        # The client disconnected (or stopped reading): pending work is abandoned.
+        self.gone = False
         # Cancel messages read but not yet dispatched: an append stops at the next slice
         # boundary while one is queued. A counter, not a flag, so that a cancel refused
         # before session.update cannot cancel the session configured after it.
@@ -69,11 +84,31 @@ class Connection:
 
     # ------------------------------------------------------------------ sending
     async def send(self, payload: dict) -> None:
+        """Send one event; a client that does not take it within ``send_timeout`` seconds
+        is dropped (:meth:`abort`) and :class:`_Disconnected` is raised."""
         text = json.dumps({"event_id": protocol.new_event_id(), **payload}, ensure_ascii=False)
+        if self.gone:
+            raise _Disconnected()
         try:
-            await self.websocket.send_text(text)
+            await asyncio.wait_for(self.websocket.send_text(text), self.settings.send_timeout)
+        except asyncio.TimeoutError:
+            logger.warning(
+                "a client did not read for %g s; dropping its connection (session %s)",
+                self.settings.send_timeout,
+                self.session_id,
+            )
+            self.abort()
+            raise _Disconnected() from None
         except (WebSocketDisconnect, RuntimeError, OSError) as error:
+            self.gone = True
             raise _Disconnected() from error
+
+    def abort(self) -> None:
+        """Drop the TCP connection at once (no close handshake): the peer stopped reading."""
+        self.gone = True
+        extension = (self.websocket.scope.get("extensions") or {}).get(ABORT_EXTENSION)
+        if extension is not None:
+            extension["abort"]()
 
     def greeting(self) -> dict:
         """The first event after accept."""
@@ -83,8 +118,12 @@ class Connection:
         await self.send(protocol.error_event(code, message))
 
     async def close(self, code: int) -> None:
+        if self.gone:
+            return
         try:
-            await self.websocket.close(code=code)
+            await asyncio.wait_for(self.websocket.close(code=code), self.settings.send_timeout)
+        except asyncio.TimeoutError:
+            self.abort()
         except (RuntimeError, OSError, WebSocketDisconnect):
             pass
 
@@ -95,31 +134,37 @@ class Connection:
             while True:
                 frame = await self.websocket.receive()
                 if frame["type"] == "websocket.disconnect":
+                    self.gone = True
                     break
                 self.last_message_at = time.monotonic()
                 text, data = frame.get("text"), frame.get("bytes")
                 if text is None:
                     if data is not None and len(data) > limit:
-                        await self.inbox.put(("too_big", None))
+                        await self._enqueue(("too_big", None))
                         break
-                    await self.inbox.put(
+                    await self._enqueue(
                         ("error", ProtocolError(INVALID_REQUEST, "binary frames are not supported; send JSON text frames"))
                     )
                     continue
                 if len(text) > limit or len(text.encode("utf-8")) > limit:
-                    await self.inbox.put(("too_big", None))
+                    await self._enqueue(("too_big", None))
                     break
                 try:
                     message = protocol.parse_message(text)
                 except ProtocolError as error:
-                    await self.inbox.put(("error", error))
+                    await self._enqueue(("error", error))
                     continue
                 if message["type"] in self.cancel_types:
                     self.pending_cancels += 1
-                await self.inbox.put(("message", message))
+                await self._enqueue(("message", message))
         except (WebSocketDisconnect, RuntimeError, OSError):
-            pass
-        await self.inbox.put(("disconnect", None))
+            self.gone = True
+        await self._enqueue(("disconnect", None))
+
+    async def _enqueue(self, item: tuple) -> None:
+        """Queue one item; waits (and so stops reading the socket) while the inbox is full."""
+        await self.inbox.put(item)
+        self.inbox_peak = max(self.inbox_peak, self.inbox.qsize())
 
     def _wait_budget(self) -> tuple[float, str]:
         now = time.monotonic()
@@ -157,7 +202,7 @@ class Connection:
                     await self.send_error(INVALID_REQUEST, reason)
                     await self._end(CLOSE_POLICY)
                     break
-                if kind == "disconnect":
+                if kind == "disconnect" or self.gone:
                     break
                 if kind == "too_big":
                     await self._end(1009)
@@ -230,6 +275,8 @@ class Connection:
         for start in range(0, samples.shape[0], frame):
             if self.pending_cancels > 0:
                 return  # the queued cancel is handled next
+            if self.gone:
+                raise _Disconnected()
             reply = await self.engine.call("push", self.session_id, samples=samples[start : start + frame])
             for event in reply.events:
                 await self.send(event)

@@ -5,9 +5,16 @@
   ``mlx-voicechat.bearer.<base64url(key)>`` next to ``mlx-voicechat``; the server answers
   with ``mlx-voicechat`` and never echoes the key. (A query parameter would leak the key into
   logs and browser history, so none is accepted.) Keys are compared in constant time.
+* Host (every HTTP and WebSocket request, DNS-rebinding guard): the ``Host`` header must
+  name an IP address, ``localhost`` / ``*.localhost``, or a host in ``--allowed-hosts``
+  (``*`` allows any); others get 403. A rebinding page reaches the server under its own
+  name (``Host: attacker.test``), so it is refused however its DNS answers. The same rule
+  as Vite's and webpack-dev-server's ``allowedHosts``.
 * Origin: a request without an ``Origin`` header (a non-browser client) is accepted; a
-  browser origin is accepted when it is the server's own origin (the bundled page) or is
-  listed in ``--cors-origins`` / ``--allowed-origins`` (``*`` allows any).
+  browser origin is accepted when it is the server's own origin (the bundled page: the
+  Origin's host and port equal an *allowed* ``Host``) or is listed in ``--cors-origins`` /
+  ``--allowed-origins`` (``*`` allows any). Scheme and host compare case-insensitively
+  (RFC 6454 section 4 serialises them in lower case).
 """
 
 from __future__ import annotations
@@ -15,21 +22,77 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import ipaddress
 from urllib.parse import urlsplit
 
 SUBPROTOCOL = "mlx-voicechat"
 BEARER_SUBPROTOCOL_PREFIX = "mlx-voicechat.bearer."
 
 
-def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...]) -> bool:
-    """Apply the Origin policy to an upgrade request."""
+def host_name(host: str) -> str:
+    """The name part of a ``Host`` header value, lower case, without port or trailing dot
+    (``"[::1]:8080"`` -> ``"::1"``, ``"Example.test.:80"`` -> ``"example.test"``)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host[1:]
+    if host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.rstrip(".")
+
+
+def host_allowed(host: str | None, allowed_hosts: tuple[str, ...] = ()) -> bool:
+    """Apply the Host allow-list (module docstring) to a request's ``Host`` header.
+
+    A request without ``Host`` (HTTP/1.0, never a browser) is accepted.
+    """
+    if host is None:
+        return True
+    name = host_name(host)
+    if not name:
+        return False
+    if "*" in allowed_hosts or name in allowed_hosts:
+        return True
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _normal_origin(origin: str) -> str:
+    """``scheme://host[:port]`` with scheme and host in lower case (RFC 6454 section 6.1)."""
+    origin = origin.strip().rstrip("/")
+    parts = urlsplit(origin)
+    if not parts.scheme or not parts.netloc:
+        return origin
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}"
+
+
+def origin_allowed(
+    origin: str | None, host: str | None, allowed: tuple[str, ...], allowed_hosts: tuple[str, ...] = ()
+) -> bool:
+    """Apply the Origin policy to an upgrade request.
+
+    Args:
+        origin: the ``Origin`` header (None: not a browser).
+        host: the ``Host`` header; the same-origin rule holds only for an allowed Host.
+        allowed: ``--allowed-origins`` (``*`` allows any).
+        allowed_hosts: ``--allowed-hosts`` (see :func:`host_allowed`).
+    """
     if origin is None:
         return True
-    origin = origin.strip().rstrip("/")
-    if "*" in allowed or origin in allowed:
+    normal = _normal_origin(origin)
+    if "*" in allowed or normal in {_normal_origin(entry) for entry in allowed}:
         return True
-    parts = urlsplit(origin)
-    return bool(host) and parts.scheme in ("http", "https") and parts.netloc.lower() == host.strip().lower()
+    parts = urlsplit(normal)
+    return (
+        bool(host)
+        and host_allowed(host, allowed_hosts)
+        and parts.scheme in ("http", "https")
+        and parts.netloc == host.strip().lower()
+    )
 
 
 def _key_from_subprotocols(offered: list[str]) -> str | None:
@@ -64,3 +127,32 @@ def key_matches(expected: str | None, presented: str | None) -> bool:
 def accepted_subprotocol(offered: list[str]) -> str | None:
     """The subprotocol to answer with: ``mlx-voicechat`` when offered, else none."""
     return SUBPROTOCOL if SUBPROTOCOL in offered else None
+
+
+class HostGuardMiddleware:
+    """ASGI middleware: refuse HTTP and WebSocket requests whose ``Host`` fails
+    :func:`host_allowed` with 403 (a WebSocket upgrade is refused before accept).
+
+    Args:
+        app: the ASGI application.
+        allowed_hosts: ``--allowed-hosts`` (see :func:`host_allowed`).
+    """
+
+    def __init__(self, app, allowed_hosts: tuple[str, ...] = ()):
+        self.app = app
+        self.allowed_hosts = tuple(allowed_hosts)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            from starlette.datastructures import Headers
+            from starlette.responses import JSONResponse
+
+            host = Headers(scope=scope).get("host")
+            if not host_allowed(host, self.allowed_hosts):
+                message = (
+                    f"Host {host_name(host or '')[:100]!r} is not allowed (DNS rebinding guard); "
+                    "start the server with --allowed-hosts NAME to serve it under that name"
+                )
+                await JSONResponse({"error": {"message": message}}, status_code=403)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -20,7 +20,7 @@ class StreamingOptions:
             uses the checkpoint default (empty), a blank string means none.
         seed: EAR-TTS sampling seed, an integer in ``[0, 2**64)`` (default 0).
         max_streaming_seconds: stop with :class:`ContextLimitError` after this much audio
-            (``None``: unbounded). Must be positive and finite.
+            (``None``: unbounded). Must be finite and allow one 80 ms frame (>= 0.08).
         use_language_cache: persistent Nemotron-H caches (default); False recomputes the
             LLM over the full fused-input history every frame (diagnostic).
         use_perception_cache: cache-aware log-mel + FastConformer (default); False
@@ -53,6 +53,10 @@ class StreamingOptions:
                 limit = math.inf
             if not math.isfinite(limit) or limit <= 0:
                 raise ValueError(f"max_streaming_seconds must be positive and finite, got {limit!r}")
+            if self.max_frames() < 1:
+                raise ValueError(
+                    f"max_streaming_seconds must allow at least one 80 ms frame (>= 0.08), got {limit!r}"
+                )
 
     def max_frames(self, frame_seconds: float = 0.08) -> int | None:
         """Whole frames allowed by ``max_streaming_seconds`` (exact decimal arithmetic).

@@ -1,0 +1,163 @@
+"""uvicorn protocol classes with the limits a hostile client must not get around.
+
+uvicorn (0.54, ``h11`` HTTP and the ``websockets`` sans-I/O WebSocket protocol) already
+bounds header sizes (``h11_max_incomplete_event_size``), idle keep-alive connections
+(``timeout_keep_alive``) and answers 503 past ``limit_concurrency``; these subclasses add
+what it leaves open:
+
+* :class:`GuardedH11Protocol` -- a **header deadline**: a request head (request line and
+  headers) must be complete within ``header_timeout`` seconds of the connection opening
+  or of the previous response, else the connection is closed (uvicorn arms its keep-alive
+  timer only after a response, and any received byte cancels it, so a half-sent request
+  stayed open forever). And a **connection cap**: a connection opened while
+  ``max_connections`` are already open is answered ``503`` and closed at once, before it
+  holds a file descriptor for long (``limit_concurrency`` only answers once a whole request
+  head arrived, and never for WebSocket upgrades).
+* :class:`GuardedWebSocketProtocol` -- a **bounded pong backlog**: a client that sends
+  pings but never reads made uvicorn queue one pong per ping in the socket's write buffer;
+  of the pings read at once only the latest is answered (RFC 6455 section 5.5.3 allows
+  it), and none while that buffer holds more than :data:`PONG_BACKLOG_BYTES`. **Shutdown** sends close
+  code 1001 (going away) instead of uvicorn's 1012 and aborts connections that have not
+  closed :data:`CLOSE_GRACE_SECONDS` after a close frame (a peer that never reads would
+  keep its socket, and the server's shutdown, waiting). The application can abort the
+  socket itself through the ASGI scope extension :data:`ABORT_EXTENSION`.
+
+:func:`protocol_classes` binds the limits of a :class:`~.settings.ServerSettings` into the
+two classes handed to ``uvicorn.Config(http=..., ws=...)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+#: Pongs are not queued while the socket's write buffer holds more than this (bytes).
+PONG_BACKLOG_BYTES = 64 * 1024
+#: After a close frame (ours or uvicorn's), the socket is aborted if still open this much later.
+CLOSE_GRACE_SECONDS = 2.0
+#: Close code sent to every open WebSocket when the server shuts down (RFC 6455 "going away").
+CLOSE_GOING_AWAY = 1001
+#: ASGI scope extension: ``scope["extensions"][ABORT_EXTENSION]["abort"]()`` drops the TCP
+#: connection at once (no close handshake, unsent data discarded).
+ABORT_EXTENSION = "mlx_voicechat.transport.abort"
+
+_BUSY_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"connection: close\r\ncontent-length: 33\r\n\r\ntoo many open connections; retry\r\n"
+)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a request-head deadline and a connection cap.
+
+    Class attributes (set by :func:`protocol_classes`): ``header_timeout`` (seconds) and
+    ``max_connections`` (open connections, HTTP and WebSocket together).
+    """
+
+    header_timeout: float = 10.0
+    max_connections: int = 64
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self._head_timer: asyncio.TimerHandle | None = None
+        if len(self.connections) >= self.max_connections:
+            # Refuse before registering: the socket is written to and closed at once.
+            transport.write(_BUSY_RESPONSE)
+            transport.close()
+            self.transport = transport
+            self._refused = True
+            return
+        self._refused = False
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_head_deadline()
+        if getattr(self, "_refused", False):
+            return
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # a whole request head arrived
+            self._disarm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._arm_head_deadline()  # the next request on this keep-alive connection
+
+    def _arm_head_deadline(self) -> None:
+        self._disarm_head_deadline()
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_deadline_passed)
+
+    def _disarm_head_deadline(self) -> None:
+        timer = getattr(self, "_head_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._head_timer = None
+
+    def _head_deadline_passed(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.abort()
+
+
+class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's ``websockets`` sans-I/O protocol with a bounded pong backlog, close code
+    1001 on shutdown, a bounded closing handshake and the :data:`ABORT_EXTENSION`."""
+
+    def handle_connect(self, event) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)
+        if scope is not None:  # the task that reads the scope has not started yet
+            scope["extensions"][ABORT_EXTENSION] = {"abort": self.abort}
+
+    def abort(self) -> None:
+        """Drop the TCP connection now (the app gives up on a peer that does not read)."""
+        if self.transport is not None:  # also when closing but stuck flushing to the peer
+            self.transport.abort()
+
+    def handle_ping(self) -> None:
+        # websockets queued one pong per ping of the bytes just received; only the last
+        # is sent (RFC 6455 section 5.5.3), and none while the backlog is over the limit.
+        frames = self.conn.data_to_send()
+        if frames and self.transport.get_write_buffer_size() <= PONG_BACKLOG_BYTES:
+            self.transport.write(frames[-1])
+
+    def shutdown(self) -> None:
+        if self.handshake_complete and not self.close_sent and not self.transport.is_closing():
+            self.stop_keepalive()
+            self.queue.put_nowait({"type": "websocket.disconnect", "code": CLOSE_GOING_AWAY})
+            self.conn.send_close(CLOSE_GOING_AWAY, "server shutting down")
+            self.transport.write(b"".join(self.conn.data_to_send()))
+            self.close_sent = True
+            self.transport.close()
+        else:
+            super().shutdown()
+        self.loop.call_later(CLOSE_GRACE_SECONDS, self.abort)
+
+    async def send(self, message) -> None:
+        await super().send(message)
+        if message.get("type") == "websocket.close":
+            # uvicorn waits close_timeout (10 s) for the peer's close frame, then closes,
+            # and a close waits for the write buffer to drain: bound both.
+            self.loop.call_later(CLOSE_GRACE_SECONDS, self._abort_if_unread)
+
+    def _abort_if_unread(self) -> None:
+        if self.transport is not None and self.transport.get_write_buffer_size() > 0:
+            self.transport.abort()
+
+
+def protocol_classes(header_timeout: float, max_connections: int) -> tuple[type, type]:
+    """``(http, ws)`` protocol classes for ``uvicorn.Config`` with these limits bound."""
+    http = type(
+        "VoiceChatH11Protocol",
+        (GuardedH11Protocol,),
+        {"header_timeout": float(header_timeout), "max_connections": int(max_connections)},
+    )
+    return http, GuardedWebSocketProtocol

@@ -1,0 +1,260 @@
+"""Hostile clients (issue #12): a client that stops reading, floods of messages and pings,
+half-sent requests, too many connections, DNS rebinding, HEAD requests. Each test fails
+without its guard (send deadline, bounded inbox, pong backlog, header deadline, connection
+cap, Host allow-list)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+
+from mlx_voicechat_plugin.server.security import host_allowed, origin_allowed
+from mlx_voicechat_plugin.server.transport_guards import PONG_BACKLOG_BYTES
+
+from .test_server_support import (
+    FRAME,
+    RawClient,
+    ServerHandle,
+    append,
+    http,
+    server_settings,
+    update,
+)
+
+SECONDS = 16000
+
+
+def _speech(seconds: float, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-0.3, 0.3, int(seconds * SECONDS)).astype(np.float32)
+
+
+def _handle(tiny, engine, sndbuf: int | None = None, **overrides) -> ServerHandle:
+    handle = ServerHandle(server_settings(tiny, **overrides), engine)
+    if sndbuf is not None:  # accepted sockets inherit the listening socket's send buffer
+        handle._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    return handle
+
+
+def _raw(server: ServerHandle, **kwargs) -> RawClient:
+    return RawClient("127.0.0.1", server.port, server.settings.path("/v1/realtime"), **kwargs)
+
+
+def _configure(raw: RawClient) -> None:
+    assert raw.status == 101
+    assert raw.recv_json()["type"] == "session.created"
+    raw.send_text(__import__("json").dumps(update(seed=0)))
+    assert raw.recv_json()["type"] == "session.updated"
+
+
+def _only_connection(server: ServerHandle, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not server.app.state.connections:
+        assert time.monotonic() < deadline, "no realtime connection registered"
+        time.sleep(0.01)
+    (connection,) = tuple(server.app.state.connections)
+    return connection
+
+
+# ---------------------------------------------------------------------- slow reader
+def test_a_client_that_stops_reading_loses_its_slot_within_the_send_timeout(tiny, engine):
+    """Appends, then never reads: the server's sends block, and after send_timeout the
+    session is dropped, /health says free, and the next client is served."""
+    import json
+
+    with _handle(tiny, engine, sndbuf=4096, send_timeout=1.0) as server:
+        raw = _raw(server, rcvbuf=4096)
+        _configure(raw)
+        for _ in range(3):
+            raw.send_text(json.dumps(append(_speech(8.0))))
+        assert server.health()["session_slot"] == "busy"
+        waited = server.wait_slot_free(timeout=60)  # never without the send deadline
+        with server.connect() as client:
+            client.configure(seed=0)
+            client.send(append(_speech(0.16)))
+            client.send({"type": "input_audio_buffer.commit"})
+            events, code = client.until_closed()
+        assert code == 1000 and events[-1]["type"] == "response.done"
+        assert _closed_within(raw.sock, 10), "the stalled socket is still open"
+        raw.sock.close()
+    assert waited < 60
+
+
+# ---------------------------------------------------------------------- floods
+def test_a_ping_flood_during_an_append_is_throttled_not_buffered(tiny, engine):
+    """session.ping frames sent while an append runs wait in a bounded inbox; beyond it
+    the server stops reading (the client's sends stall) instead of queueing millions."""
+    import json
+
+    limit = 8
+    with _handle(tiny, engine, max_queued_messages=limit) as server:
+        raw = _raw(server)
+        _configure(raw)
+        stop = threading.Event()
+
+        def drain():  # the client reads everything: only the inbox can grow
+            raw.sock.settimeout(0.2)
+            while not stop.is_set():
+                try:
+                    if not raw.sock.recv(1 << 16):
+                        return
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        connection = _only_connection(server)
+        raw.send_text(json.dumps(append(_speech(6.0))))
+        ping = json.dumps({"type": "session.ping"})
+        sent, peak = 0, 0
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and sent < 4000:
+            raw.send_text(ping)
+            sent += 1
+            peak = max(peak, connection.inbox.qsize())
+        peak = max(peak, connection.inbox_peak)
+        raw.reset()
+        stop.set()
+        reader.join(5)
+        server.wait_slot_free(timeout=60)
+    assert sent >= 200, "the flood could not even start"
+    assert peak <= limit, f"{peak} messages were queued (limit {limit})"
+    assert connection.inbox.maxsize == limit
+
+
+def test_unread_websocket_pings_do_not_grow_the_write_buffer(tiny, engine):
+    """Protocol-level pings from a client that never reads: pongs are dropped once the
+    socket's write buffer passes PONG_BACKLOG_BYTES (uvicorn queued every one)."""
+    with _handle(tiny, engine, sndbuf=4096) as server:
+        raw = _raw(server, rcvbuf=4096)
+        assert raw.recv_json()["type"] == "session.created"
+        payload = b"p" * 120
+        for _ in range(20000):  # 2.4 MB of pongs if every one were queued
+            raw.send_frame(0x9, payload)
+        time.sleep(0.5)
+        sizes = [
+            protocol.transport.get_write_buffer_size()
+            for protocol in server.server.server_state.connections
+            if hasattr(protocol, "handle_ping")
+        ]
+        raw.reset()
+        server.wait_slot_free(timeout=30)
+    assert sizes and max(sizes) <= PONG_BACKLOG_BYTES + 200, sizes
+
+
+# ---------------------------------------------------------------------- HTTP level
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def test_half_sent_requests_are_closed_after_the_header_timeout(tiny, engine):
+    with _handle(tiny, engine, header_timeout=0.5) as server:
+        silent = socket.create_connection(("127.0.0.1", server.port))
+        partial = socket.create_connection(("127.0.0.1", server.port))
+        partial.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        dribble = socket.create_connection(("127.0.0.1", server.port))
+        start = time.monotonic()
+        for byte in b"GET /health HTTP/1.1\r\nHost: 127.0":  # one byte at a time (slowloris)
+            try:
+                dribble.sendall(bytes([byte]))
+            except OSError:
+                break
+            time.sleep(0.05)
+            if time.monotonic() - start > 1.5:
+                break
+        assert _closed_within(silent, 3) and _closed_within(partial, 3) and _closed_within(dribble, 3)
+        assert server.health()["status"] == "ok"  # complete requests are served
+        for sock in (silent, partial, dribble):
+            sock.close()
+
+
+def test_connections_beyond_the_cap_are_refused_and_health_recovers(tiny, engine):
+    with _handle(tiny, engine, max_connections=4, header_timeout=30) as server:
+        held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+        time.sleep(0.2)
+        extra = socket.create_connection(("127.0.0.1", server.port))
+        extra.settimeout(5)  # refused at once: before it sends anything
+        answer = extra.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 503"), answer
+        assert _closed_within(extra, 5)
+        extra.close()
+        for sock in held:
+            sock.close()
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                if http("GET", server.http_url("/health"))[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "health did not answer once the load dropped"
+            time.sleep(0.05)
+
+
+def test_head_requests_answer_200(server):
+    for route in ("/health", "/voicechat"):
+        assert http("HEAD", server.http_url(route))[0] == 200, route
+
+
+# ---------------------------------------------------------------------- DNS rebinding
+def test_host_allow_list():
+    assert host_allowed("127.0.0.1:8080") and host_allowed("[::1]:8080") and host_allowed("LocalHost:1")
+    assert host_allowed("app.localhost") and host_allowed("10.1.2.3")
+    assert not host_allowed("attacker.test:8080") and not host_allowed("")
+    assert host_allowed("Voice.Example.:443", ("voice.example",))
+    assert host_allowed("anything.test", ("*",))
+
+
+def test_origin_match_is_case_insensitive_and_needs_an_allowed_host():
+    assert origin_allowed("HTTP://LOCALHOST:8080", "localhost:8080", ())
+    assert origin_allowed("https://App.Example", "127.0.0.1:1", ("https://app.example/",))
+    # a rebinding page: its Origin and Host agree, but the Host is not allowed
+    assert not origin_allowed("http://attacker.test:8080", "attacker.test:8080", ())
+    assert origin_allowed("http://attacker.test:8080", "attacker.test:8080", (), ("attacker.test",))
+
+
+def test_rebinding_hosts_are_refused_on_http_and_websocket(server):
+    port = server.port
+    status, body = http("GET", server.http_url("/health"), headers={"Host": f"attacker.test:{port}"})
+    assert status == 403 and "allowed-hosts" in body["error"]["message"]
+    raw = RawClient(
+        "127.0.0.1",
+        port,
+        server.settings.path("/v1/realtime"),
+        headers={"Host": f"attacker.test:{port}", "Origin": f"http://attacker.test:{port}"},
+    )
+    assert raw.status == 403
+    raw.sock.close()
+    assert http("GET", server.http_url("/health"), headers={"Host": f"localhost:{port}"})[0] == 200
+
+
+def test_allowed_hosts_setting_admits_a_named_host(tiny, engine):
+    with _handle(tiny, engine, allowed_hosts=("voice.example",)) as server:
+        headers = {"Host": f"voice.example:{server.port}", "Origin": f"http://voice.example:{server.port}"}
+        raw = RawClient("127.0.0.1", server.port, "/v1/realtime", headers=headers)
+        assert raw.status == 101
+        raw.reset()
+        server.wait_slot_free()
+
+
+# ---------------------------------------------------------------------- session.update
+def test_a_limit_below_one_frame_fails_session_initialization(server, slot_released):
+    with server.connect() as client:
+        client.created()
+        client.send(update(max_streaming_seconds=1e-320))
+        message = client.recv_error("session_initialization_failed")
+        assert "80 ms" in message
+        client.send(update(max_streaming_seconds=FRAME / SECONDS))
+        assert client.recv_type("session.updated")
