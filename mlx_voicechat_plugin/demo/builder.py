@@ -25,6 +25,7 @@ def build_checkpoint(
     preset: str = "tiny",
     *,
     bits: int | None = None,
+    group_size: int = 64,
     seed: int = 0,
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
@@ -40,7 +41,8 @@ def build_checkpoint(
         output_dir: where to write; created. Written atomically (temp dir + rename).
         preset: ``tiny``, ``small``, ``medium``, ``real-layout`` or ``full`` (see
             :mod:`.presets`).
-        bits: ``4`` or ``8`` quantizes the LLM parts (group size 64), ``None`` keeps bf16.
+        bits: ``4`` or ``8`` quantizes the LLM parts, ``None`` keeps bf16.
+        group_size: quantization group size (32, 64 or 128; the published one is 64).
         seed: MLX RNG seed for the weights (tokenizers are deterministic).
         overwrite: replace an existing directory.
         progress: called with one line per step (default for ``full``: print to stderr
@@ -50,7 +52,7 @@ def build_checkpoint(
         The checkpoint path.
 
     Raises:
-        ValueError: unknown preset or bits.
+        ValueError: unknown preset, bits or group size.
         FileExistsError: ``output_dir`` exists and ``overwrite`` is false.
     """
     import mlx.core as mx
@@ -63,6 +65,8 @@ def build_checkpoint(
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     if bits not in (None, 4, 8):
         raise ValueError(f"bits must be 4 or 8 (or omitted for bf16), got {bits!r}")
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"group_size must be 32, 64 or 128, got {group_size!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     if not str(output_dir).strip():
@@ -95,16 +99,18 @@ def build_checkpoint(
         mx.random.seed(seed)
         # Parameters stay lazy (nothing is computed) until their shard is written.
         model = Model(ModelConfig.from_dict(config))
+        if spec.fast_fill:
+            progress(f"{weights.fast_fill(model, seed)} large weights filled from a tiled random block")
         weights.randomize(model, vocabulary, config)
         weights.cast_for_storage(model)
         weights.set_codec_silence(model)
         if bits is not None:
             head_bits = spec.head_bits if spec.head_bits is not None else bits
-            chosen = weights.quantize_llm(model, bits, head_bits=head_bits)
+            chosen = weights.quantize_llm(model, bits, group_size, head_bits=head_bits)
             if spec.quantization_form == "modules":
-                quantization = {"group_size": 64, "bits": bits, **chosen}
+                quantization = {"group_size": group_size, "bits": bits, **chosen}
             else:
-                quantization = {"group_size": 64, "bits": bits, "mode": "affine"}
+                quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
             config["quantization"] = quantization
             config["quantization_config"] = dict(quantization)
         stored = weights.to_checkpoint_layout(dict(tree_flatten(model.parameters())), config)

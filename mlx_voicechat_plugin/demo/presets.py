@@ -90,6 +90,9 @@ class Preset:
     #: Add ``mlx_runtime_config_version``, ``source_revision`` and the text config's
     #: ``time_step_limit: [0.0, Infinity]``, as the published v2 conversion does.
     converter_extras: bool = False
+    #: Fill the large weights with :func:`.weights.fast_fill` (tiled random block) instead of
+    #: MLX's initialisers, so the full-size build fits in minutes on a small CPU.
+    fast_fill: bool = False
 
 
 PRESETS: dict[str, Preset] = {
@@ -250,6 +253,7 @@ PRESETS: dict[str, Preset] = {
         int64_buffers=True,
         quantization_form="modules",
         converter_extras=True,
+        fast_fill=True,
     ),
 }
 

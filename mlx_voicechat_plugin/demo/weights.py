@@ -61,6 +61,48 @@ def _normal(shape, scale: float) -> mx.array:
     return mx.random.normal(shape) * scale
 
 
+#: Length of the random block :func:`fast_fill` tiles (odd, so tiles do not align with
+#: power-of-two row lengths).
+FAST_FILL_BLOCK = 16_777_259
+
+
+def fast_fill(model, seed: int = 0, min_size: int = 1 << 22) -> int:
+    """Replace every large 2-D weight with cheap pseudo-random values, in place (lazy).
+
+    MLX's CPU generator costs 15-50 ns per value, minutes of CPU for the 11 B parameters of
+    the ``full`` preset. Instead one block of :data:`FAST_FILL_BLOCK` uniform values is drawn
+    and each weight with at least ``min_size`` values becomes that block tiled from a random
+    offset, with a random sign, scaled to the spread of MLX's own initialiser for its
+    shape (``Linear``: uniform in +-1/sqrt(in), ``Embedding``: standard deviation
+    1/sqrt(dims)). For memory and speed measurements only: the weights are correlated.
+
+    Args:
+        model: an upstream module tree with lazy (not yet computed) parameters.
+        seed: seed of the offsets and signs (numpy).
+        min_size: smallest tensor replaced.
+
+    Returns:
+        The number of tensors replaced.
+    """
+    generator = np.random.default_rng(seed)
+    block = mx.random.uniform(low=-1.0, high=1.0, shape=(FAST_FILL_BLOCK,))
+    mx.eval(block)
+    updates = []
+    for key, value in tree_flatten(model.parameters()):
+        if value.ndim != 2 or value.size < min_size or not mx.issubdtype(value.dtype, mx.floating):
+            continue
+        offset = int(generator.integers(FAST_FILL_BLOCK))
+        sign = 1.0 if generator.random() < 0.5 else -1.0
+        scale = sign / math.sqrt(value.shape[1])
+        if key.endswith("embed_tokens.weight"):
+            scale *= math.sqrt(3.0)  # uniform with standard deviation 1/sqrt(dims)
+        repeats = -(-(value.size + offset) // FAST_FILL_BLOCK)
+        tiled = mx.tile(block, (repeats,))[offset : offset + value.size]
+        updates.append((key, (tiled * scale).reshape(value.shape)))
+    model.update(tree_unflatten(updates))
+    return len(updates)
+
+
 def randomize(model, vocabulary: dict[str, int], config: dict) -> None:
     """Fill the buffers MLX leaves at zero/one with realistic random values, in place.
 

@@ -34,7 +34,7 @@ from .derived import rebuild_derived
 from .encoder import install_position_cache
 from .execution import DEFAULT, Execution
 from .norms import install_norms
-from .pinning import PinningReport, pin_f32_weights, pinning_enabled
+from .pinning import PinningReport, pin_f32_weights, pinning_deferred, pinning_enabled
 from .tts import FastRVQEARTTSModel
 from .validation import validate_config
 
@@ -82,19 +82,25 @@ class Model(UpstreamModel):
     execution: Execution = DEFAULT
 
     def load_weights(self, file_or_weights, strict: bool = True):
-        """Load weights (upstream behaviour), pin f32-only weights unless disabled, then
-        install the acceleration layer for the device (:func:`accelerate`).
-
-        Pinning is skipped when ``MLX_VOICECHAT_PIN_F32=0``.
+        """Load weights (upstream behaviour), then :meth:`finish_loading` (pinning unless
+        ``MLX_VOICECHAT_PIN_F32=0``); inside :func:`.pinning.deferred_pinning` (the
+        registration hook's ``load_model``) the loader calls it once its sources are freed.
         """
         result = super().load_weights(file_or_weights, strict=strict)
+        if not pinning_deferred():
+            self.finish_loading()
+        return result
+
+    def finish_loading(self) -> None:
+        """Pin f32-only weights tensor by tensor (:mod:`.pinning`), install the post-load
+        speed-ups and the acceleration layer for the device (:func:`accelerate`); called
+        once after the weights are in place."""
         if pinning_enabled():
             self.pinning = pin_f32_weights(self)
         install_norms(self)
         # After loading: mlx-vlm quantizes (replacing Linear modules) before this call.
         self.acceleration = accelerate(self) or self.acceleration
         self.clear_caches()
-        return result
 
     def clear_caches(self) -> None:
         """Drop and rebuild everything derived from weights: codebook tables, memoised text

@@ -14,10 +14,18 @@ the BOS / audio-prompt projection tensors. Left as stored (spec: "Norm weights a
 subword path stay as stored"): every norm weight, encoder and EAR-TTS alike, the bf16
 character-aware subword path and text projection, gathered tables (``rvq_embs``,
 ``proj_mus``, ``low_mat``, token embeddings), the LLM, RNNT branch and codec.
+
+Memory during load: mlx-vlm's loader keeps its dict of (lazily loaded) source tensors alive
+until ``load_model`` returns, so pinning inside ``load_weights`` would hold every bf16 source
+next to its f32 copy (peak = stored size + 2 x the pinning cost). The registration hook runs
+``load_model`` under :func:`deferred_pinning` and pins afterwards, tensor by tensor, each
+bf16 source released as its copy is made: peak = stored size + pinning cost + one tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
 from dataclasses import dataclass
@@ -26,6 +34,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 PIN_ENV = "MLX_VOICECHAT_PIN_F32"
+_DEFERRED = contextvars.ContextVar("mlx_voicechat_pinning_deferred", default=False)
 
 _PINNED = re.compile(
     r"^(?:"
@@ -66,26 +75,68 @@ def is_pinned_parameter(path: str) -> bool:
 
 
 def pin_f32_weights(model) -> PinningReport:
-    """Convert the f32-only weights of ``model`` to f32 in place (exact).
+    """Convert the f32-only weights of ``model`` to f32 in place (exact), one tensor at a time.
 
-    Quantized tensors and integer buffers are never touched; tensors already f32 are
-    skipped (so the call is idempotent).
+    Each f32 copy is computed right after the model drops its bf16 source, so (unless
+    something else still references the sources) at most one source and its copy exist
+    beside the pinned tensors. Quantized tensors and integer buffers are never touched;
+    tensors already f32 are skipped (so the call is idempotent).
 
     Returns:
         A :class:`PinningReport` with the memory cost.
     """
-    updates = []
-    parameters = extra = 0
+    tensors = parameters = extra = 0
     for path, value in tree_flatten(model.parameters()):
-        if (
+        if not (
             is_pinned_parameter(path)
             and mx.issubdtype(value.dtype, mx.floating)
             and value.dtype != mx.float32
         ):
-            updates.append((path, value.astype(mx.float32)))
+            continue
+        pinned = value.astype(mx.float32)
+        tensors += 1
+        parameters += value.size
+        extra += value.size * (4 - value.itemsize)
+        del value
+        model.update(tree_unflatten([(path, pinned)]))
+        mx.eval(pinned)
+        del pinned
+    return PinningReport(tensors=tensors, parameters=parameters, extra_bytes=extra)
+
+
+def pinning_cost(config: dict) -> PinningReport:
+    """The pinning cost of a checkpoint computed from its ``config.json`` dict alone.
+
+    Builds the upstream module tree lazily (no weights are computed or read), counts the
+    floating parameters :func:`is_pinned_parameter` selects and assumes the published bf16
+    storage (2 extra bytes each). About 2.52 GB for the published configuration.
+
+    Raises:
+        ValueError: the config is not a ``nemotron_voicechat`` config upstream can build.
+    """
+    from mlx_vlm.models.nemotron_voicechat import Model, ModelConfig
+
+    model = Model(ModelConfig.from_dict(config))
+    tensors = parameters = 0
+    for path, value in tree_flatten(model.parameters()):
+        if is_pinned_parameter(path) and mx.issubdtype(value.dtype, mx.floating):
+            tensors += 1
             parameters += value.size
-            extra += value.size * (4 - value.itemsize)
-    if updates:
-        model.update(tree_unflatten(updates))
-        mx.eval([value for _, value in updates])
-    return PinningReport(tensors=len(updates), parameters=parameters, extra_bytes=extra)
+    return PinningReport(tensors=tensors, parameters=parameters, extra_bytes=2 * parameters)
+
+
+@contextlib.contextmanager
+def deferred_pinning():
+    """Within this block ``Model.load_weights`` leaves pinning (and the post-load
+    installs) to an explicit ``Model.finish_loading()`` call, made by the loader once
+    its source tensors are released."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def pinning_deferred() -> bool:
+    """True inside :func:`deferred_pinning`."""
+    return _DEFERRED.get()

@@ -3,7 +3,9 @@
 Each hook is idempotent and only wraps public functions:
 
 * ``mlx_vlm.utils.get_model_and_args`` consults the ``mlx_vlm.models`` entry points first
-  (what ``patches/0001-*.patch`` adds upstream), so ``mlx_vlm.load`` returns our Model.
+  (what ``patches/0001-*.patch`` adds upstream), so ``mlx_vlm.load`` returns our Model;
+  ``mlx_vlm.utils.load_model`` defers our Model's f32 pinning until the loader's source
+  tensors are released (``Model.finish_loading``).
 * ``mlx_vlm.generate.dispatch.main`` (``python -m mlx_vlm.generate``) hands a VoiceChat
   checkpoint to :func:`mlx_voicechat_plugin.cli.generate.main`; other models are untouched.
 * ``mlx_vlm.chat.main`` (``python -m mlx_vlm chat``; and ``python -m mlx_vlm.chat`` at model
@@ -67,6 +69,27 @@ def hook_utils(module) -> None:
         return original(config, model_path)
 
     module.get_model_and_args = get_model_and_args
+
+    original_load_model = module.load_model
+
+    @functools.wraps(original_load_model)
+    def load_model(model_path, lazy=False, **kwargs):
+        # Our Model pins f32 weights after mlx-vlm has released its dict of source tensors
+        # (peak memory: stored size + pinning cost, not + twice that; see model.pinning).
+        import mlx.core as mx
+
+        from ..model.pinning import deferred_pinning
+
+        with deferred_pinning():
+            model = original_load_model(model_path, True, **kwargs)
+        finish = getattr(model, "finish_loading", None)
+        if finish is not None:
+            finish()
+        if not lazy:
+            mx.eval(model.parameters())
+        return model
+
+    module.load_model = load_model
 
 
 def _refuse_chat() -> None:
