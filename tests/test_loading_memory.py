@@ -69,3 +69,29 @@ def test_build_rejects_unsupported_group_size(tmp_path):
     with pytest.raises(ValueError, match="group_size must be 32, 64 or 128"):
         build_checkpoint(tmp_path / "x", "tiny", bits=4, group_size=16)
     assert not (tmp_path / "x").exists()
+
+
+def test_vocabulary_setup_runs_once_per_model_and_tokenizer(models, monkeypatch):
+    from mlx_voicechat_plugin.loading import load_tokenizer
+    from mlx_voicechat_plugin.runtime.vocabulary import install_vocabulary
+
+    model, tokenizer, *_ = models("tiny")
+    calls = []
+    original = tokenizer.get_vocab
+    monkeypatch.setattr(tokenizer, "get_vocab", lambda: calls.append(1) or original())
+    install_vocabulary(model, tokenizer)  # whatever ran before, the memo now holds it
+    calls.clear()
+    model.create_session(tokenizer)
+    model.create_streaming_session(processor=tokenizer).cancel()
+    model.create_session(tokenizer)
+    assert calls == []
+    table = model.tts_model.tts_model.embed_subword._subword_to_chars
+    # Another tokenizer object, or a table installed by someone else, rebuilds it.
+    other = load_tokenizer(model.model_path)
+    assert install_vocabulary(model, other) is True
+    assert model.tts_model.tts_model.embed_subword._subword_to_chars == table
+    model.create_session(tokenizer)
+    assert calls == [1]
+    model.tts_model.tts_model.set_vocabulary(original())
+    assert install_vocabulary(model, tokenizer) is True
+    assert install_vocabulary(model, tokenizer) is False

@@ -32,6 +32,7 @@ from ..model.execution import execution_of
 from .audio_io import AudioInputError  # noqa: F401 - re-exported
 from .rng import SessionRNG
 from .transcript import greedy_transcript
+from .vocabulary import install_vocabulary
 from .waveform import (  # noqa: F401 - re-exported (moved to a light module)
     MAX_EXTRA_DECODING_SECONDS,
     MAX_INPUT_SECONDS,
@@ -140,6 +141,12 @@ class OfflineSession(VoiceChatSession):
         model: the loaded :class:`~mlx_voicechat_plugin.model.Model`.
         tokenizer: its text tokenizer.
     """
+
+    def __init__(self, model, tokenizer):
+        # Upstream's __init__ minus the per-session set_vocabulary (memoised per model).
+        self.model = model
+        self.tokenizer = tokenizer
+        install_vocabulary(model, tokenizer)
 
     def _special_ids(self) -> set[int]:
         config = self.model.config
