@@ -42,6 +42,23 @@ def find_config(model: str | Path) -> Path | None:
     return Path(cached) if isinstance(cached, str) else None
 
 
+def default_model_id(model: str | Path | None, resolved: str | Path) -> str:
+    """The served model id when no ``--alias`` is given, lower-cased.
+
+    For a hub id found in the Hugging Face cache (``org/NemotronLabs-VoiceChat-11B-4bit``)
+    it is the repository name, not the snapshot directory (a commit hash); otherwise the
+    checkpoint directory's name.
+
+    Args:
+        model: the ``--model`` value as given (None for the built-in demo checkpoint).
+        resolved: the local checkpoint directory it resolved to.
+    """
+    text = "" if model is None else str(model)
+    if text and not Path(text).expanduser().is_dir() and Path(resolved).parent.name == "snapshots":
+        return text.rstrip("/").rsplit("/", 1)[-1].lower()
+    return Path(resolved).name.lower()
+
+
 def read_model_type(config_path: Path) -> str | None:
     """The lower-cased ``model_type`` of a ``config.json``, or None when unreadable."""
     try:

@@ -131,3 +131,24 @@ def test_load_prints_nothing_even_after_transformers_was_imported(checkpoint):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr == ""
     assert done.stdout == ""
+
+
+def test_default_model_id_of_a_cached_hub_id_is_the_repository_name(checkpoint, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from mlx_voicechat_plugin.checkpoint import default_model_id
+    from mlx_voicechat_plugin.loading import resolve_checkpoint
+
+    repo = tmp_path / "hub" / "models--mlx-community--NemotronLabs-VoiceChat-11B-4bit"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    shutil.copytree(checkpoint("tiny"), snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub_id = "mlx-community/NemotronLabs-VoiceChat-11B-4bit"
+    resolved = resolve_checkpoint(hub_id)
+    assert resolved == snapshot
+    assert default_model_id(hub_id, resolved) == "nemotronlabs-voicechat-11b-4bit"
+    # A local directory (even the snapshot itself) and the demo default keep the directory name.
+    assert default_model_id(str(snapshot), resolved) == "a" * 40
+    assert default_model_id(None, checkpoint("tiny")) == checkpoint("tiny").name.lower()

@@ -12,7 +12,6 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 from ..cli.compat import SERVER_FLAGS, add_mlx_vlm_options, ignored_note
 from ..exit_codes import EXIT_FAILURE, EXIT_OK, EXIT_STATUS_HELP, EXIT_USAGE
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve", ha
     note = ignored_note(args)
     if note:
         print(note, file=sys.stderr)
-    from ..checkpoint import is_demo_checkpoint
+    from ..checkpoint import default_model_id, is_demo_checkpoint
     from ..loading import CheckpointError, resolve_checkpoint
 
     model_path = None
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve", ha
         print(f"[model] built-in demo checkpoint (random weights): {model_path}", file=sys.stderr)
     try:
         settings = ServerSettings(
-            model_id=args.alias or Path(model_path).name.lower(),
+            model_id=args.alias or default_model_id(args.model, model_path),
             api_key=args.api_key or None,
             api_prefix=args.api_prefix,
             allowed_origins=tuple(_origins(args.cors_origins) + _origins(args.allowed_origins)),
