@@ -117,3 +117,17 @@ def test_views_are_counted_apart_from_kernels():
     assert count.primitives == count.kernels + count.by_primitive["Transpose"] + count.by_primitive[
         "Reshape"] + count.by_primitive["Broadcast"]
     assert count.kernels == 2  # Exp, Add
+
+
+def test_streamed_frame_makes_exactly_two_host_evaluations(models, speech_16k):
+    """Every evaluation a frame triggers counts (readbacks inside upstream code, lazy
+    masks read back for memo keys, the RNG key, slices of evaluated codes), not only the
+    two the profiler marks."""
+    ours, tokenizer, *_ = models("tiny")
+    session = ours.create_streaming_session(processor=tokenizer, seed=0)
+    counts = []
+    with graph.GraphCounter() as counter:
+        for start in range(0, 10 * 1280, 1280):
+            session.push_audio(speech_16k[start : start + 1280])
+            counts.append(counter.frame().evaluations)
+    assert counts[2:] == [2] * 8, counts

@@ -100,7 +100,9 @@ class ProjectedStreamingState(ConformerStreamingState):
         cache_len = 0 if self.mel_cache is None else self.mel_cache.shape[1]
         win = m if self.mel_cache is None else mx.concatenate([self.mel_cache, m], axis=1)
         win_len = win.shape[1]
-        sub = self.encoder.pre_encode(win, mx.array([win_len], dtype=mx.int32))[0]
+        # Upstream converts each length with ``int()``: an MLX array there is a host round
+        # trip per frame; a Python list gives the same lengths without one.
+        sub = self.encoder.pre_encode(win, [win_len])[0]
 
         end = self.consumed + m.shape[1]
         base = (self.consumed - cache_len) // self.subsampling_factor

@@ -374,6 +374,7 @@ class StreamingSession:
             *self._language.state_arrays(),
             *self._speech.state_arrays(),
             *self._transcript.state_arrays(),
+            *mx.random.state,  # the key after this frame's draws (read back by the session RNG)
         )  # the frame's second host round trip
         self._speech.evaluated()
         clock.sync()
@@ -409,7 +410,7 @@ class StreamingSession:
                 frame_index=self._frame_index,
                 samples=np.array(samples.astype(mx.float32)),
                 sample_rate=self.output_sample_rate,
-                audio_codes=tuple(clean[0, 0].tolist()),
+                audio_codes=tuple(clean.tolist()[0][0]),  # evaluated: no new operation
             )
         )
         return events

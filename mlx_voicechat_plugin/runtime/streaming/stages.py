@@ -279,7 +279,10 @@ class SpeechState:
         tts = self.model.tts_model.tts_model
         code_embed = tts.embed_code(tts.depthsum_embedding(code))
         code_embed = mx.concatenate([code_embed, code_embed], axis=0)
-        cond = tts._condition(current, mx.ones(current.shape, dtype=mx.bool_), code.shape[0], True)
+        # A host-built mask: the memo key reads it back, and a lazy ``mx.ones`` would make
+        # that readback an extra evaluation (host round trip) every frame.
+        mask = mx.array(np.ones(current.shape, dtype=np.bool_))
+        cond = tts._condition(current, mask, code.shape[0], True)
         hidden = tts.backbone(None, inputs_embeds=tts.gated_fusion_audio_text(code_embed, cond), cache=self.cache)
         if clock is not None:
             clock.mark("tts.backbone", hidden)
