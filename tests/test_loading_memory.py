@@ -95,3 +95,13 @@ def test_vocabulary_setup_runs_once_per_model_and_tokenizer(models, monkeypatch)
     model.tts_model.tts_model.set_vocabulary(original())
     assert install_vocabulary(model, tokenizer) is True
     assert install_vocabulary(model, tokenizer) is False
+
+
+def test_real_checkpoint_reference_is_computed_then_freed(checkpoint, speech_16k):
+    from .test_real_checkpoint import reference_outputs
+
+    outputs = reference_outputs(checkpoint("tiny"), speech_16k[:16000])
+    assert outputs["freed"]  # no reference to the upstream model survives the call
+    assert outputs["audio_codes"].shape[1] == 31
+    assert outputs["encoded"].ndim == 3 and outputs["decoded"].size > 0
+    assert any(kind == "done" for kind, *_ in outputs["events"])
