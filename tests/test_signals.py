@@ -1,0 +1,97 @@
+"""Signals (issue #12): SIGTERM closes open sessions with 1001 and exits 143 within a few
+seconds; Ctrl-C (SIGINT) during an offline turn exits 130 -- never SIGABRT (134) with
+"terminate called without an active exception". (Ctrl-C to the server after a session is
+pinned by ``test_server_access.test_serve_subprocess_end_to_end``.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from .conftest import SPEECH_WAV
+from .test_server_support import Client, Closed, append, http
+
+ENV = dict(os.environ, TRANSFORMERS_VERBOSITY="error")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_sigterm_closes_an_active_session_with_1001_and_exits_143(tiny, tmp_path):
+    port = _free_port()
+    command = [sys.executable, "-m", "mlx_voicechat_plugin.cli.main", "serve", "--model", str(tiny)]
+    command += ["--port", str(port), "--log-level", "warning"]
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w+b") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+        try:
+            deadline = time.monotonic() + 90
+            while True:
+                assert process.poll() is None, log_path.read_text()
+                try:
+                    if http("GET", f"http://127.0.0.1:{port}/health")[0] == 200:
+                        break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(0.2)
+            with Client(f"ws://127.0.0.1:{port}/v1/realtime") as client:
+                client.configure(seed=0)
+                speech = np.random.default_rng(0).uniform(-0.3, 0.3, 16000 * 8).astype(np.float32)
+                client.send(append(speech))  # a long append: the session is busy
+                client.recv(timeout=60)
+                start = time.monotonic()
+                process.send_signal(signal.SIGTERM)
+                with pytest.raises(Closed) as closed:
+                    while True:
+                        client.recv(timeout=10)
+            assert closed.value.code == 1001
+            assert process.wait(10) == 143
+            assert time.monotonic() - start < 8
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    assert "terminate called" not in log_path.read_text()
+
+
+def test_ctrl_c_during_an_offline_turn_exits_130(tiny, tmp_path):
+    command = [sys.executable, "-m", "mlx_voicechat_plugin.cli.main", "generate", "--model", str(tiny)]
+    command += ["--audio", str(SPEECH_WAV), "--output-audio", str(tmp_path / "a.wav")]
+    command += ["--extra-decoding-seconds", "120", "--progress", "on"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    seen = bytearray()
+    started = threading.Event()
+
+    def read():
+        while chunk := process.stderr.read1(4096):
+            seen.extend(chunk)
+            if re.search(rb"\| *[1-9][0-9]*/[0-9]+ \[", bytes(seen[-200:])):  # in the frame loop
+                started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert started.wait(120), bytes(seen[-300:]).decode(errors="replace")
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    reader.join(5)
+    text = bytes(seen).decode(errors="replace")
+    assert "interrupted" in text[-500:] and "terminate called" not in text
+    assert not (tmp_path / "a.wav").exists()
