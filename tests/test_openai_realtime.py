@@ -359,3 +359,26 @@ def test_configure_deadline_and_idle_clock_close_with_1008(tiny, engine, configu
                 client.recv(timeout=10)
             assert closed.value.rcvd.code == 1008
         timed.wait_slot_free()
+
+
+def test_a_disconnect_stops_a_long_append(server, engine, monkeypatch):
+    """Frames that send nothing (manual turns: no automatic responses or speech events) are
+    not run for a client that has gone."""
+    pushes = []
+    original = engine.call
+
+    async def counting(kind, *args, **kwargs):
+        if kind == "push":
+            pushes.append(kind)
+        return await original(kind, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "call", counting)
+    client = _ga(server)
+    client.recv()
+    client.send({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    client.recv()
+    client.send({"type": "input_audio_buffer.append", "audio": _pcm16(np.zeros(15 * 24_000, np.float32))})  # 187 frames
+    assert client.recv()["type"] == "conversation.item.added"  # the first frame has run
+    client.ws.socket.close()
+    server.wait_slot_free(timeout=30)
+    assert len(pushes) < 120, len(pushes)  # all 187 without the check

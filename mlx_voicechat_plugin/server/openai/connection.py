@@ -118,7 +118,10 @@ class OpenAIConnection(Connection):
                 return
 
     async def _push(self, samples: np.ndarray, heard: bool) -> bool:
-        """One 1280-sample frame through the model; sends its GA events. False on error."""
+        """One 1280-sample frame through the model; sends its GA events. False on error or
+        once the client is gone (the rest of an append or fill is abandoned)."""
+        if getattr(self, "gone", False):
+            return False
         reply = await self.engine.call("push", self.session_id, samples=samples)
         level = rms(samples) if heard else 0.0
         for frame in frames_from_events(reply.events):
