@@ -47,6 +47,10 @@ from .session import Update, open_session, receive_until_closed
 
 #: Largest ``--extra-seconds`` (the server caps a session at 600 s of audio anyway).
 MAX_EXTRA_SECONDS = 600.0
+#: Longest input file (seconds), checked from the header before decoding and while decoding
+#: in blocks: the server caps a session at 600 s of audio, so a longer file can never be
+#: sent whole.
+MAX_INPUT_SECONDS = 600.0
 
 
 def build_parser(prog: str = "mlx-voicechat-file-client") -> argparse.ArgumentParser:
@@ -81,14 +85,16 @@ def load_input(path: str, extra_seconds: float) -> np.ndarray:
     """The file at 16 kHz mono float32 plus ``extra_seconds`` of silence.
 
     Raises:
-        UsageError: unreadable file, no samples, or ``extra_seconds`` out of [0, 600].
+        UsageError: unreadable file, no samples, longer than :data:`MAX_INPUT_SECONDS`
+            (checked from the header first, then while decoding in blocks), or
+            ``extra_seconds`` out of [0, 600].
     """
     from ..runtime.audio_io import AudioInputError, read_audio
 
     if not math.isfinite(extra_seconds) or not 0.0 <= extra_seconds <= MAX_EXTRA_SECONDS:
         raise UsageError(f"--extra-seconds must be between 0 and {MAX_EXTRA_SECONDS:g}, got {extra_seconds:g}")
     try:
-        samples = read_audio(path, INPUT_SAMPLE_RATE)
+        samples = read_audio(path, INPUT_SAMPLE_RATE, max_seconds=MAX_INPUT_SECONDS)
     except AudioInputError as error:
         raise UsageError(str(error)) from None
     padding = round(extra_seconds * INPUT_SAMPLE_RATE)

@@ -29,19 +29,34 @@ def resample(samples: np.ndarray, source_rate: int, target_rate: int) -> np.ndar
     return soxr.resample(samples, source_rate, target_rate, quality="HQ").astype(np.float32)
 
 
-def read_audio(path: str | Path, sample_rate: int = 16_000) -> np.ndarray:
+#: Frames decoded per block by :func:`read_audio` (at the file's own rate).
+READ_BLOCK_FRAMES = 1 << 18
+
+
+def _format_seconds(seconds: float) -> str:
+    return f"{seconds / 60:.1f} minutes" if seconds >= 120 else f"{seconds:.1f} s"
+
+
+def read_audio(path: str | Path, sample_rate: int = 16_000, *, max_seconds: float | None = None) -> np.ndarray:
     """Read an audio file as mono float32 samples at ``sample_rate`` Hz.
+
+    The length is checked against ``max_seconds`` from the header first (``soundfile.info``:
+    a file that claims to be too long is refused before any decoding), then the file is
+    decoded in blocks of :data:`READ_BLOCK_FRAMES` frames that enforce the cap as they go
+    (a header may understate the length), so memory stays bounded by the cap, never by
+    what a header claims or what the file holds.
 
     Args:
         path: audio file (see module docstring for formats).
         sample_rate: target rate in Hz.
+        max_seconds: longest accepted input (seconds of audio); None for no cap.
 
     Returns:
         ``(n,)`` float32 array, nominally in [-1, 1].
 
     Raises:
-        AudioInputError: missing file, not a readable audio file, no samples, or samples
-            that are NaN or infinite.
+        AudioInputError: missing file, not a readable audio file, no samples, samples
+            that are NaN or infinite, or longer than ``max_seconds``.
     """
     import soundfile
 
@@ -50,17 +65,42 @@ def read_audio(path: str | Path, sample_rate: int = 16_000) -> np.ndarray:
         raise AudioInputError(f"{source}: no such file")
     if source.is_dir():
         raise AudioInputError(f"{source}: is a directory, not an audio file")
+
+    def unreadable(error) -> AudioInputError:
+        return AudioInputError(f"{source}: not a readable audio file (WAV, FLAC, OGG, AIFF): {error}")
+
+    def too_long(seconds: float, claimed: bool) -> AudioInputError:
+        what = "its header says it is" if claimed else "it is at least"
+        return AudioInputError(
+            f"{source}: {what} {_format_seconds(seconds)} long; the limit is {_format_seconds(max_seconds)}"
+        )
+
     try:
-        data, rate = soundfile.read(str(source), dtype="float32", always_2d=True)
+        info = soundfile.info(str(source))
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as error:
-        raise AudioInputError(
-            f"{source}: not a readable audio file (WAV, FLAC, OGG, AIFF): {error}"
-        ) from None
-    if data.size == 0:
+        raise unreadable(error) from None
+    rate = int(info.samplerate)
+    if rate <= 0:
+        raise unreadable(f"sample rate {rate}")
+    limit = None if max_seconds is None else int(max_seconds * rate)
+    if limit is not None and info.frames > limit:
+        raise too_long(info.frames / rate, claimed=True)
+    pieces: list[np.ndarray] = []
+    total = 0
+    try:
+        with soundfile.SoundFile(str(source)) as audio:
+            for block in audio.blocks(blocksize=READ_BLOCK_FRAMES, dtype="float32", always_2d=True):
+                total += block.shape[0]
+                if limit is not None and total > limit:
+                    raise too_long(total / rate, claimed=False)
+                if not np.isfinite(block).all():
+                    raise AudioInputError(f"{source}: the audio contains NaN or infinite samples")
+                pieces.append(block.mean(axis=1, dtype=np.float32) if block.shape[1] > 1 else block[:, 0].copy())
+    except (soundfile.LibsndfileError, RuntimeError, TypeError) as error:
+        raise unreadable(error) from None
+    if total == 0:
         raise AudioInputError(f"{source}: the file contains no audio samples")
-    if not np.isfinite(data).all():
-        raise AudioInputError(f"{source}: the audio contains NaN or infinite samples")
-    mono = data.mean(axis=1) if data.shape[1] > 1 else data[:, 0]
+    mono = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
     return resample(np.ascontiguousarray(mono, dtype=np.float32), rate, sample_rate)
 
 

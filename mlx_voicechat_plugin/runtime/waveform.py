@@ -78,7 +78,7 @@ def prepare_waveform(
             f"extra_decoding_seconds is capped at {MAX_EXTRA_DECODING_SECONDS:g} s, got {extra:g}"
         )
     if isinstance(audio, (str, Path)):
-        samples = read_audio(audio, sample_rate)
+        samples = read_audio(audio, sample_rate, max_seconds=MAX_INPUT_SECONDS)
     else:
         samples = as_float_samples(audio)
         if samples.ndim == 2 and 1 in samples.shape:
