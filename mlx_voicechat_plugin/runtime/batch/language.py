@@ -9,8 +9,9 @@ as rows of ``(B, 1, hidden)``:
   one-row call; see :mod:`mlx_voicechat_plugin.runtime.batch` on row exactness);
 * ``M`` blocks (Mamba2) run once over all rows with the sessions' convolution and SSM
   states stacked into one ``ArraysCache`` and split back afterwards;
-* ``*`` blocks (attention) run per session, each on its own row with its own ``KVCache``
-  (the sessions' key lengths differ).
+* ``*`` blocks (attention): the query/key/value and output projections run once over all
+  rows; the cache update and the attention itself run per session with its own ``KVCache``
+  (the sessions' key lengths differ), as upstream ``NemotronHAttention.__call__`` does.
 
 Every session must have used its caches already (a prefilled prompt or one frame): a
 fresh cache (``None`` state) or one whose mask is not ``None`` sends the whole step down the
@@ -20,7 +21,7 @@ per-session path, which is the solo computation.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_vlm.models.base import create_attention_mask, create_ssm_mask
+from mlx_vlm.models.base import create_attention_mask, create_ssm_mask, scaled_dot_product_attention
 from mlx_vlm.models.cache import ArraysCache
 
 
@@ -57,6 +58,21 @@ def _mamba(mixer, x: mx.array, entries: list) -> mx.array:
     return output
 
 
+def _attention(attention, x: mx.array, entries: list) -> mx.array:
+    """Upstream ``NemotronHAttention.__call__`` for ``B`` one-position rows: projections
+    over all rows, cache update and attention per session (row ``i`` with ``entries[i]``)."""
+    queries, keys, values = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+    outputs = []
+    for row, cache in enumerate(entries):
+        q = queries[row : row + 1].reshape(1, 1, attention.num_heads, -1).transpose(0, 2, 1, 3)
+        k = keys[row : row + 1].reshape(1, 1, attention.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        v = values[row : row + 1].reshape(1, 1, attention.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        k, v = cache.update_and_fetch(k, v)
+        output = scaled_dot_product_attention(q, k, v, cache=cache, scale=attention.scale, mask=None)
+        outputs.append(output.transpose(0, 2, 1, 3).reshape(1, 1, -1))
+    return attention.o_proj(mx.concatenate(outputs, axis=0))
+
+
 def language_step(model, states: list, fused: mx.array) -> tuple[mx.array, mx.array]:
     """Advance every session's language model by one position.
 
@@ -88,13 +104,7 @@ def language_step(model, states: list, fused: mx.array) -> tuple[mx.array, mx.ar
             mixed = _mamba(layer.mixer, normed, [cache[index] for cache in caches])
             index += 1
         elif layer.block_type == "*":
-            mixed = mx.concatenate(
-                [
-                    layer.mixer(normed[row : row + 1], mask=None, cache=cache[index])
-                    for row, cache in enumerate(caches)
-                ],
-                axis=0,
-            )
+            mixed = _attention(layer.mixer, normed, [cache[index] for cache in caches])
             index += 1
         else:
             mixed = layer.mixer(normed)

@@ -9,8 +9,10 @@ laid out as upstream lays out one session's, generalised to ``B``:
 
 * code embedding, gated fusion, the backbone's norms and MLPs, the MoG head and the RVQ
   search run once over all rows;
-* each backbone attention runs per session on its two rows with its own KV caches
-  (rotating for sliding layers; lengths differ between sessions);
+* each backbone attention projects all rows at once (query, key, value, output); the
+  query/key norms, rotary embedding at the session's offset, cache update and attention run
+  per session on its two rows with its own KV caches (rotating for sliding layers; lengths
+  differ between sessions), as mlx-vlm's Gemma3 ``Attention.__call__`` does;
 * the text condition is each session's own (memoised, one row pair each), as alone;
 * the sampling noise (``uniform`` for the Gumbel choice, ``normal`` for the residual) is
   drawn per session from its own RNG key, in the order its solo step draws it, and stacked.
@@ -21,7 +23,11 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-from mlx_vlm.models.base import create_attention_mask
+from mlx_vlm.models.base import (
+    create_attention_mask,
+    kv_sequence_length,
+    scaled_dot_product_attention,
+)
 from mlx_vlm.models.gemma3.language import clip_residual
 from mlx_vlm.models.nemotron_voicechat.tts import _top_p_logits
 
@@ -110,19 +116,35 @@ def generate_codes(tts, hidden: mx.array, noise: list[list[tuple[mx.array, mx.ar
 
 
 def _attention(layer, x, caches: list, layer_index: int, window: int, pattern: int):
-    """The block's self-attention per session (rows ``[i, B+i]``, its own cache)."""
+    """The block's self-attention: projections over all ``2B`` rows, the rest per session
+    on its rows ``[i, B+i]`` with its own cache and mask (mlx-vlm Gemma3 ``Attention``)."""
+    attention = layer.self_attn
     sessions = len(caches)
+    queries, keys, values = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
     outputs = []
-    for index, cache in enumerate(caches):
+    for index, session_caches in enumerate(caches):
         rows = guided_rows(x, index, sessions)
         if layer_index % pattern == pattern - 1:
-            mask = create_attention_mask(rows, cache[pattern - 1])
+            mask = create_attention_mask(rows, session_caches[pattern - 1])
         elif pattern > 1:
-            mask = create_attention_mask(rows, cache[0], window_size=window)
+            mask = create_attention_mask(rows, session_caches[0], window_size=window)
         else:
             mask = None
-        outputs.append(layer.self_attn(rows, mask, cache[layer_index]))
-    return join_guided(outputs)
+        cache = session_caches[layer_index]
+        q = guided_rows(queries, index, sessions).reshape(2, 1, attention.n_heads, -1).transpose(0, 2, 1, 3)
+        k = guided_rows(keys, index, sessions).reshape(2, 1, attention.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = guided_rows(values, index, sessions).reshape(2, 1, attention.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = attention.q_norm(q), attention.k_norm(k)
+        q = attention.rope(q, offset=cache.offset)
+        k = attention.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        if mask is not None and isinstance(mask, mx.array):  # upstream's sliding-window slice
+            key_len = kv_sequence_length(k)
+            if mask.shape[-1] != key_len:
+                mask = mask[..., -key_len:]
+        output = scaled_dot_product_attention(q, k, v, cache, scale=attention.scale, mask=mask)
+        outputs.append(output.transpose(0, 2, 1, 3).reshape(2, 1, -1))
+    return attention.o_proj(join_guided(outputs))
 
 
 def backbone_step(backbone, inputs: mx.array, caches: list[list]) -> mx.array:
