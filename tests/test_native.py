@@ -27,6 +27,13 @@ def kernels():
     return native._state["module"]
 
 
+@pytest.fixture(autouse=True)
+def every_kernel_on(monkeypatch):
+    """The wrappers run every kernel here, whatever a model load's self-measurement
+    decided earlier in the session (its decisions are restored afterwards)."""
+    monkeypatch.setitem(native._state, "decisions", {})
+
+
 def _random(rng, shape, dtype, scale=1.0):
     return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
 
@@ -342,6 +349,10 @@ def test_command_line_reports_status(kernels, capsys, monkeypatch):
     assert main([]) == 0
     out = capsys.readouterr().out
     assert "native CPU kernels: in use" in out and "_kernels" in out
+    assert f"variant: {kernels.isa}" in out
+    for family in ("matmul/bfloat16/vector", "matmul/float32/matrix", "depthwise_conv1d/", "rms_norm/", "lookup16/", "rvq_encode"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(family))
+        assert (" on " in line or " off " in line) and "x MLX's time" in line
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert main([]) == 1
     assert "off" in capsys.readouterr().out

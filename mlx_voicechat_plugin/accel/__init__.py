@@ -44,3 +44,22 @@ def install(model) -> str | None:
     from .cpu import install as install_cpu
 
     return install_cpu(model)
+
+
+def status() -> str:
+    """One line on the acceleration layer for a model loaded now (the bench's machine line):
+    ``"cpu layer: on (native kernels in use, avx512; off after self-measurement: ...)"``,
+    ``"cpu layer: off (MLX_VOICECHAT_CPU_ACCEL=0)"`` or ``"cpu layer: not used (gpu
+    device)"``. Builds the native kernels if needed (CPU device only)."""
+    if not enabled():
+        return f"cpu layer: off ({ACCEL_ENV}=0)"
+    if device.model_device() != "cpu":
+        return "cpu layer: not used (gpu device)"
+    from .cpu import native
+
+    if not native.available():
+        return f"cpu layer: on (native kernels {native.status()})"
+    module = native.extension()
+    off = sorted(key for key, decision in native.decisions().items() if not decision.on)
+    measured = f"; off after self-measurement: {', '.join(off)}" if off else ""
+    return f"cpu layer: on (native kernels in use, {module.isa}{measured})"

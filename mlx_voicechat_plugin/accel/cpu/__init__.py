@@ -2,7 +2,10 @@
 
 :func:`install` (called by :func:`mlx_voicechat_plugin.accel.install` when the model
 computes on the CPU) builds and self-tests the exact native kernels (:mod:`.native`), then
-swaps module classes, parameters untouched, every result bit-identical:
+swaps module classes, parameters untouched, every result bit-identical, and finally
+times each kernel family against MLX's operation on the model's own shapes, switching
+off the families that are not faster on this machine (:mod:`.native.calibration`,
+:mod:`.shapes`):
 
 ==========================  ==============================================================
 :mod:`.parallel`            large products split over two CPU streams; float32 weights held
@@ -53,4 +56,9 @@ def install(model) -> str:
     install_codec_layers(model)
     install_kernel_tts(model)
     model.execution = CpuExecution()
+    if native.available():
+        from .shapes import model_workloads
+
+        # Each kernel family against MLX on this model's shapes (cached per machine).
+        native.calibrate(model_workloads(model, native.extension()))
     return "cpu"

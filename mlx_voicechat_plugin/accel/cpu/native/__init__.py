@@ -42,12 +42,14 @@ import threading
 
 import mlx.core as mx
 
+from .calibration import key as _key
+
 #: Environment switch: ``0`` keeps MLX's own products everywhere.
 NATIVE_ENV = "MLX_VOICECHAT_NATIVE"
 
 _SUPPORTED = (mx.float32, mx.bfloat16, mx.float16)
 _lock = threading.Lock()
-_state: dict = {"module": None, "reason": None, "tried": False}
+_state: dict = {"module": None, "reason": None, "tried": False, "decisions": {}}
 _log = logging.getLogger(__name__)
 
 
@@ -125,15 +127,65 @@ def status() -> str:
 
 
 def reset() -> None:
-    """Forget the load attempt (tests; after changing :data:`NATIVE_ENV`)."""
+    """Forget the load attempt and the measured decisions (tests; after changing
+    :data:`NATIVE_ENV`)."""
     with _lock:
-        _state.update(module=None, reason=None, tried=False)
+        _state.update(module=None, reason=None, tried=False, decisions={})
+
+
+def calibrate(workloads, refresh: bool = False) -> dict:
+    """Measure each kernel family against MLX on ``workloads`` (:mod:`.calibration`) and
+    switch off the families that are not faster here; returns the decisions
+    (``{key: Decision}``, merged into :func:`decisions`). A no-op returning ``{}`` when the
+    extension is not in use or ``MLX_VOICECHAT_NATIVE_MEASURE=0``.
+
+    Args:
+        workloads: :class:`.calibration.Workload` list (the model's shapes).
+        refresh: measure again even when the decisions are cached.
+    """
+    from pathlib import Path
+
+    from .calibration import decide, measuring_enabled
+
+    module = _state["module"] if available() else None
+    if module is None or not measuring_enabled():
+        return {}
+    found = decide(workloads, Path(module.__file__).parent, refresh=refresh)
+    with _lock:
+        _state["decisions"] = {**_state["decisions"], **found}
+    return found
+
+
+def extension():
+    """The loaded extension module (after :func:`available` returned True), else None."""
+    return _state["module"]
+
+
+def decisions() -> dict:
+    """The measured decisions in force, ``{key: Decision}`` (empty: every family on)."""
+    return dict(_state["decisions"])
+
+
+def _use(kernel: str, dtype: mx.Dtype | None, rows: int | None) -> bool:
+    """The extension is active and ``kernel`` was not switched off by the self-measurement
+    for this dtype and row regime."""
+    if not active():
+        return False
+    if not _state["decisions"]:
+        return True
+    decision = _state["decisions"].get(_key(kernel, dtype, rows))
+    return decision is None or decision.on
+
+
+def _rows(x: mx.array) -> int:
+    return x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
 
 
 def usable(a: mx.array, b: mx.array) -> bool:
     """Whether :func:`matmul` would run the extension for these operands."""
     return (
-        b.ndim == 2 and a.ndim >= 1 and a.dtype == b.dtype and a.dtype in _SUPPORTED and active()
+        b.ndim == 2 and a.ndim >= 1 and a.dtype == b.dtype and a.dtype in _SUPPORTED
+        and _use("matmul", a.dtype, _rows(a))
     )
 
 
@@ -164,7 +216,7 @@ def depthwise_conv1d(x: mx.array, weight: mx.array, padding: int = 0) -> mx.arra
         and x.dtype == weight.dtype
         and x.dtype in _SUPPORTED
         and padding >= 0
-        and active()
+        and _use("depthwise_conv1d", x.dtype, x.shape[0] * max(x.shape[1] + 2 * padding - weight.shape[1] + 1, 0))
     ):
         return _state["module"].depthwise_conv1d(x, weight, padding)
     if x.ndim == 3 and x.shape[-1] == 0 and weight.ndim == 3:  # MLX's conv aborts on 0 groups
@@ -193,7 +245,7 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
         and weight.shape[0] == x.shape[-1]
         and x.dtype == weight.dtype
         and x.dtype in _SUPPORTED
-        and active()
+        and _use("rms_norm", x.dtype, _rows(x))
     ):
         return _state["module"].rms_norm(x, weight, eps)
     return mx.fast.rms_norm(x, weight, eps)
@@ -219,7 +271,7 @@ def rvq_encode(
     Returns:
         ``(..., count)`` uint32 indices (``mx.argmin``'s dtype), or None.
     """
-    if residual.dtype != mx.float32 or books.dtype != mx.float32 or not active():
+    if residual.dtype != mx.float32 or books.dtype != mx.float32 or not _use("rvq_encode", None, None):
         return None
     return _state["module"].rvq_encode(residual, norms, books, embeddings, start, count)
 
@@ -231,7 +283,7 @@ def lookup16(x: mx.array, table: mx.array) -> mx.array:
         x.dtype in (mx.bfloat16, mx.float16)
         and table.dtype == x.dtype
         and table.shape == (65536,)
-        and active()
+        and _use("lookup16", x.dtype, _rows(x))
     ):
         return _state["module"].lookup16(x, table)
     return mx.take(table, x.view(mx.uint16))
@@ -258,7 +310,7 @@ def matmul(a: mx.array, b: mx.array, bias: mx.array | None = None) -> mx.array:
         return _reference(a, b, bias)
     if usable(a, b):
         return _state["module"].exact_matmul(a, b, bias)
-    if bias is None and b.ndim > 2 and a.ndim >= 2 and a.dtype == b.dtype and a.dtype in _SUPPORTED and active():
+    if bias is None and b.ndim > 2 and a.ndim >= 2 and a.dtype == b.dtype and a.dtype in _SUPPORTED and _use("matmul", a.dtype, _rows(a)):
         return _state["module"].exact_matmul(a, b)  # batched, broadcasting like mx.matmul
     return _reference(a, b, bias)
 
@@ -277,7 +329,7 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
         bias.ndim != 1 or bias.dtype != x.dtype or weight.ndim != 2 or bias.shape[0] != weight.shape[0]
     ):
         return _reference(x, weight.T, bias)
-    if weight.ndim == 2 and x.ndim >= 1 and x.dtype == weight.dtype and x.dtype in _SUPPORTED and active():
+    if weight.ndim == 2 and x.ndim >= 1 and x.dtype == weight.dtype and x.dtype in _SUPPORTED and _use("matmul", x.dtype, _rows(x)):
         return _state["module"].exact_matmul(x, weight, bias, True)
     return _reference(x, weight.T, bias)
 

@@ -5,7 +5,15 @@ The extension is compiled on the machine that runs it, against the MLX that is i
 the binding library MLX itself uses, so the ``mx.array`` arguments cross without copies.
 A build takes a few seconds, once per machine and MLX version: the shared object is cached
 under :func:`~mlx_voicechat_plugin.demo.cache.cache_root` ``/native/<key>/``, where the
-key covers the source, the MLX, nanobind and Python versions, the compiler and the CPU.
+key covers the source, the MLX, nanobind and Python versions, the compiler, the CPU and the
+instruction-set variant.
+
+**Instruction-set variants.** The kernels' vector width is a compile-time constant chosen
+from the target's macros (``kernels.cpp``): 16 floats for AVX-512, 8 for AVX2, 4 for arm64
+NEON and for the portable fallback. :func:`requested_isa` picks this CPU's widest variant
+(:data:`ISA_ENV` overrides it, e.g. ``MLX_VOICECHAT_NATIVE_ISA=avx2`` builds the
+``-march=x86-64-v3`` variant on an AVX-512 machine) and :data:`ISA_FLAGS` gives each its
+compiler flags; a variant the CPU cannot run is refused before compiling.
 
 Concurrent builders are serialised with a file lock; a build is written under a temporary
 name and renamed into place, and its SHA-256 is recorded beside it: a cached library that no
@@ -36,7 +44,21 @@ SOURCE = Path(__file__).with_name("kernels.cpp")
 MODULE = "_kernels"
 #: Compiler flags for the kernel. ``-ffp-contract=off`` keeps every multiply and add
 #: separately rounded, as MLX's products round them.
-KERNEL_FLAGS = ("-O3", "-march=native", "-ffp-contract=off")
+KERNEL_FLAGS = ("-O3", "-ffp-contract=off")
+#: Environment switch: the instruction-set variant to build (``auto``: this CPU's widest).
+ISA_ENV = "MLX_VOICECHAT_NATIVE_ISA"
+#: Target flags per variant (``-march`` names the x86-64 psABI levels v4 / v3; arm64's
+#: baseline includes NEON).
+ISA_FLAGS = {
+    "avx512": ("-march=x86-64-v4",),
+    "avx2": ("-march=x86-64-v3",),
+    "neon": (),
+    "generic": (),
+}
+_X86 = ("x86_64", "amd64", "x64", "i386", "i686")
+_ARM = ("aarch64", "arm64")
+_AVX512 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+_AVX2 = {"avx2", "fma", "bmi2", "f16c"}
 #: Seconds a single compiler call may take.
 COMPILE_TIMEOUT = 600
 
@@ -58,6 +80,66 @@ def _compiler() -> str:
     raise BuildError("no C++ compiler found (set CXX, or install g++)")
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``; on macOS ``sysctl``), empty if unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.lower().split())
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.features", "machdep.cpu.leaf7_features"],
+                capture_output=True, text=True, timeout=10,
+            ).stdout
+            return set(out.lower().replace(".", "_").split())
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return set()
+
+
+def supported_isas(machine: str | None = None, flags: set[str] | None = None) -> list[str]:
+    """The variants this CPU can run, widest first (always ending with ``"generic"``).
+
+    Args:
+        machine: ``platform.machine()`` (default: this machine).
+        flags: CPU feature flags (default: :func:`cpu_flags`).
+    """
+    machine = (machine or platform.machine()).lower()
+    flags = cpu_flags() if flags is None else flags
+    isas = []
+    if machine in _X86:
+        if _AVX512 <= flags:
+            isas.append("avx512")
+        if _AVX2 <= flags:
+            isas.append("avx2")
+    elif machine in _ARM:
+        isas.append("neon")
+    return [*isas, "generic"]
+
+
+def requested_isa(machine: str | None = None, flags: set[str] | None = None) -> str:
+    """The variant to build: :data:`ISA_ENV` when set (``auto`` or unset: the widest this
+    CPU runs).
+
+    Raises:
+        BuildError: an unknown name, or a variant this CPU cannot run.
+    """
+    supported = supported_isas(machine, flags)
+    value = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    if value == "auto":
+        return supported[0]
+    if value not in ISA_FLAGS:
+        raise BuildError(f"{ISA_ENV} must be auto or one of {', '.join(ISA_FLAGS)}, got {value!r}")
+    if value not in supported:
+        raise BuildError(f"{ISA_ENV}={value}: this CPU runs only {', '.join(supported)}")
+    return value
+
+
 def _cpu_signature() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
@@ -69,8 +151,12 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build_inputs() -> dict[str, str]:
+def _build_inputs(isa: str | None = None) -> dict[str, str]:
     import mlx.core as mx
+
+    isa = isa or requested_isa()
+    if isa not in supported_isas():
+        raise BuildError(f"the {isa} variant cannot run on this CPU ({', '.join(supported_isas())} can)")
 
     try:
         import nanobind
@@ -103,6 +189,7 @@ def _build_inputs() -> dict[str, str]:
         "python_include": python_include,
         "suffix": importlib.machinery.EXTENSION_SUFFIXES[0],
         "cpu": _cpu_signature(),
+        "isa": isa,
     }
 
 
@@ -111,7 +198,7 @@ def build_key(inputs: dict[str, str]) -> str:
     digest = hashlib.sha256(SOURCE.read_bytes())
     for name in sorted(inputs):
         digest.update(f"{name}={inputs[name]}\n".encode())
-    digest.update(" ".join(KERNEL_FLAGS).encode())
+    digest.update(" ".join(_kernel_flags(inputs)).encode())
     return digest.hexdigest()[:20]
 
 
@@ -127,6 +214,40 @@ def _run(command: list[str], cwd: Path) -> None:
         raise BuildError(f"compiling the native kernel failed:\n{tail}")
 
 
+def _nanobind_object(inputs: dict[str, str], common: list[str], cache: Path) -> Path:
+    """nanobind's support library compiled once per compiler, nanobind and Python (shared by
+    every variant in ``cache``; it has no target-specific code)."""
+    digest = hashlib.sha256()
+    for name in ("compiler", "compiler_version", "nanobind", "python_include", "suffix"):
+        digest.update(f"{name}={inputs[name]}\n".encode())
+    digest.update(" ".join(common).encode())
+    target = cache / f"nanobind-{digest.hexdigest()[:16]}.o"
+    if _intact(target):
+        return target
+    with open(cache / ".nanobind.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _intact(target):
+            with tempfile.TemporaryDirectory(dir=cache, prefix=".build-") as scratch:
+                _run(
+                    [
+                        inputs["compiler"],
+                        *common,
+                        "-O2",
+                        "-fno-strict-aliasing",
+                        "-ffunction-sections",
+                        "-fdata-sections",
+                        "-c",
+                        str(Path(inputs["nanobind_source"]) / "nb_combined.cpp"),
+                        "-o",
+                        "nanobind.o",
+                    ],
+                    Path(scratch),
+                )
+                os.replace(Path(scratch) / "nanobind.o", target)
+            target.with_name(target.name + ".sha256").write_text(_digest(target) + "\n")
+    return target
+
+
 def _compile(inputs: dict[str, str], target: Path) -> None:
     nanobind_root = Path(inputs["nanobind_include"]).parent
     common = [
@@ -139,29 +260,15 @@ def _compile(inputs: dict[str, str], target: Path) -> None:
         f"-I{inputs['nanobind_include']}",
         f"-I{nanobind_root / 'ext' / 'robin_map' / 'include'}",
     ]
+    compiler = inputs["compiler"]
+    nanobind = _nanobind_object(inputs, common, target.parent.parent)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
         work = Path(scratch)
-        compiler = inputs["compiler"]
         _run(
             [
                 compiler,
                 *common,
-                "-O2",
-                "-fno-strict-aliasing",
-                "-ffunction-sections",
-                "-fdata-sections",
-                "-c",
-                str(Path(inputs["nanobind_source"]) / "nb_combined.cpp"),
-                "-o",
-                "nanobind.o",
-            ],
-            work,
-        )
-        _run(
-            [
-                compiler,
-                *common,
-                *KERNEL_FLAGS,
+                *_kernel_flags(inputs),
                 "-DNB_DOMAIN=mlx",
                 f"-I{inputs['mlx_include']}",
                 "-c",
@@ -177,7 +284,7 @@ def _compile(inputs: dict[str, str], target: Path) -> None:
                 compiler,
                 *_link_flags(),
                 "kernel.o",
-                "nanobind.o",
+                str(nanobind),
                 f"-L{inputs['mlx_lib']}",
                 "-lmlx",
                 f"-Wl,-rpath,{inputs['mlx_lib']}",
@@ -189,6 +296,11 @@ def _compile(inputs: dict[str, str], target: Path) -> None:
         if not linked.is_file():
             raise BuildError(f"the compiler ({compiler}) reported success but wrote no library")
         os.replace(linked, target)
+
+
+def _kernel_flags(inputs: dict[str, str]) -> list[str]:
+    """Optimisation and target flags of the kernel object for ``inputs["isa"]``."""
+    return [*KERNEL_FLAGS, *ISA_FLAGS[inputs.get("isa", "generic")]]
 
 
 def _link_flags() -> list[str]:
@@ -214,7 +326,7 @@ def _intact(target: Path) -> bool:
         return False
 
 
-def _import(path: Path):
+def _import(path: Path, register: bool = True):
     name = f"{__package__}.{MODULE}"
     try:
         spec = importlib.util.spec_from_file_location(name, path)
@@ -224,21 +336,32 @@ def _import(path: Path):
         spec.loader.exec_module(module)
     except (ImportError, OSError) as error:
         raise BuildError(f"cannot import the native kernel {path}: {error}") from None
-    sys.modules[name] = module
+    if register:
+        sys.modules[name] = module
     return module
 
 
-def build(cache: Path | None = None) -> Path:
+def default_cache() -> Path:
+    """Where builds are cached: :func:`~mlx_voicechat_plugin.demo.cache.cache_root` ``/native``."""
+    from ....demo.cache import cache_root
+
+    return cache_root() / "native"
+
+
+def build(cache: Path | None = None, isa: str | None = None) -> Path:
     """Compile the extension if it is not cached; return the shared object's path.
 
+    Args:
+        cache: the cache directory (default :func:`default_cache`).
+        isa: the variant (default :func:`requested_isa`).
+
     Raises:
-        BuildError: no compiler / headers / nanobind, or the compiler failed.
+        BuildError: no compiler / headers / nanobind, a variant this CPU cannot run, or the
+            compiler failed.
     """
     if cache is None:
-        from ....demo.cache import cache_root
-
-        cache = cache_root() / "native"
-    inputs = _build_inputs()
+        cache = default_cache()
+    inputs = _build_inputs(isa)
     directory = cache / build_key(inputs)
     target = directory / f"{MODULE}{inputs['suffix']}"
     if _intact(target):
@@ -257,10 +380,14 @@ def build(cache: Path | None = None) -> Path:
     return target
 
 
-def load(cache: Path | None = None):
-    """Build (if needed) and import the extension module.
+def load(cache: Path | None = None, isa: str | None = None, register: bool = True):
+    """Build (if needed) and import the extension module (``module.isa`` names its variant).
+
+    Args:
+        register: make it the package's ``_kernels`` module in ``sys.modules`` (False for
+            a second variant loaded beside it, e.g. by tests).
 
     Raises:
         BuildError: see :func:`build`; or the module cannot be imported.
     """
-    return _import(build(cache))
+    return _import(build(cache, isa), register=register)

@@ -53,20 +53,36 @@ namespace mx = mlx::core;
 
 namespace {
 
-constexpr int kLanes = 16;          // floats per vector
+// Vector width per instruction set, chosen at build time (build.py passes -march for the
+// variant): each row block keeps 2 * kRows accumulators, two panel vectors and one
+// broadcast in registers (AVX-512 and NEON have 32 vector registers, AVX2 16).
+#if defined(__AVX512F__)
+#define VOICECHAT_ISA "avx512"
+constexpr int kLanes = 16;  // floats per vector: one zmm register
+#elif defined(__AVX2__)
+#define VOICECHAT_ISA "avx2"
+constexpr int kLanes = 8;  // one ymm register
+#elif defined(__ARM_NEON) || defined(__aarch64__)
+#define VOICECHAT_ISA "neon"
+constexpr int kLanes = 4;  // one q register
+#else
+#define VOICECHAT_ISA "generic"
+constexpr int kLanes = 4;  // SSE2 / any 128-bit vector unit (or scalar code)
+#endif
 constexpr int kPanel = 2 * kLanes;  // output columns per panel
 constexpr int kRows = 4;            // output rows per register block
 
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+// Unaligned, aliasing view for loads and stores: a memcpy here made GCC keep the
+// accumulators on the stack (and call memcpy) for 8-float vectors.
+typedef float vf_unaligned __attribute__((vector_size(kLanes * sizeof(float)), aligned(4), may_alias));
 
 inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(vf));
-  return v;
+  return *reinterpret_cast<const vf_unaligned*>(p);
 }
 
 inline void store(float* p, vf v) {
-  std::memcpy(p, &v, sizeof(vf));
+  *reinterpret_cast<vf_unaligned*>(p) = v;
 }
 
 // R rows of A (float32, row stride K) against one packed K x kPanel panel.
@@ -920,6 +936,8 @@ mx::array rvq_encode(const mx::array& residual, const mx::array& norms, const mx
 
 NB_MODULE(_kernels, m) {
   m.doc() = "Exact CPU kernels for MLX (bit-identical to the MLX operations they replace).";
+  m.attr("isa") = VOICECHAT_ISA;
+  m.attr("lanes") = kLanes;
   m.def("exact_matmul", &exact_matmul, nb::arg("a"), nb::arg("b"), nb::arg("bias") = nb::none(),
         nb::arg("transpose") = false,
         "a (..., K) @ b (K, N) [+ bias (N,)] -> (..., N), one dtype (b given as (N, K) when\n"
