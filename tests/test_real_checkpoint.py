@@ -17,6 +17,9 @@ import pytest
 from .conftest import SYSTEM_PROMPT
 
 MODEL = os.environ.get("MLX_VOICECHAT_MODEL")
+#: On a GPU ours and upstream run different kernels: the GPU rule of docs/performance.md
+#: ("Exact per device"; :mod:`.test_gpu`) replaces bit-identity there.
+ON_GPU = mx.default_device().type == mx.DeviceType.gpu
 pytestmark = [
     pytest.mark.real_checkpoint,
     pytest.mark.skipif(not MODEL, reason="set MLX_VOICECHAT_MODEL to a real converted checkpoint"),
@@ -105,6 +108,19 @@ def test_transcript_and_answer(turn):
 
 
 def test_ids_and_codes_match_upstream_exactly(reference, turn):
+    if ON_GPU:
+        from .test_gpu import _check
+
+        def frames(text, function, codes):
+            return [(t, f, tuple(c)) for t, f, c in zip(text, function, np.asarray(codes).tolist())]
+
+        _check(
+            frames(turn.text_tokens, turn.function_tokens, turn.audio_codes),
+            frames(reference["text_tokens"], reference["function_tokens"], reference["audio_codes"]),
+            turn.audio,
+            reference["audio"],
+        )
+        return
     assert turn.text_tokens == reference["text_tokens"]
     assert turn.function_tokens == reference["function_tokens"]
     np.testing.assert_array_equal(turn.audio_codes, reference["audio_codes"])
@@ -126,12 +142,17 @@ def test_encoder_and_codec_match_upstream(real, reference, speech_16k):
     ours, _ = real
     mel = log_mel_spectrogram(mx.array(speech_16k), ours.config.audio_config.preprocessor)
     ours_encoded = np.array(ours.stt_model.perception(mel, mx.array([mel.shape[1]]))[2].astype(mx.float32))
-    assert np.abs(ours_encoded - reference["encoded"]).max() <= 1e-6
+    from .test_gpu import AUDIO_ATOL, MIN_PREFIX
+
+    assert np.abs(ours_encoded - reference["encoded"]).max() <= (AUDIO_ATOL if ON_GPU else 1e-6)
     codes = mx.array(reference["audio_codes"]).T[None]
     ours_audio = np.array(ours.tts_model.audio_codec.decode(codes).astype(mx.float32))
-    assert np.abs(ours_audio - reference["decoded"]).max() <= 1e-7
-    encoded_codes = ours.tts_model.audio_codec.encode(mx.array(reference["decoded"]))
-    np.testing.assert_array_equal(np.array(encoded_codes), reference["encoded_codes"])
+    assert np.abs(ours_audio - reference["decoded"]).max() <= (AUDIO_ATOL if ON_GPU else 1e-7)
+    encoded_codes = np.array(ours.tts_model.audio_codec.encode(mx.array(reference["decoded"])))
+    if ON_GPU:
+        assert np.mean(encoded_codes == reference["encoded_codes"]) >= MIN_PREFIX
+    else:
+        np.testing.assert_array_equal(encoded_codes, reference["encoded_codes"])
 
 
 def test_streaming_matches_upstream_streaming(real, reference, speech_16k):
@@ -142,4 +163,10 @@ def test_streaming_matches_upstream_streaming(real, reference, speech_16k):
     for start in range(0, len(samples), STREAM_CHUNK):
         events += session.push_audio(samples[start : start + STREAM_CHUNK])
     events += session.flush()
-    assert [(e.kind, e.frame_index, getattr(e, "text", None)) for e in events] == reference["events"]
+    got = [(e.kind, e.frame_index, getattr(e, "text", None)) for e in events]
+    if ON_GPU:
+        from .test_gpu import MIN_PREFIX, agreeing_prefix
+
+        assert agreeing_prefix(got, reference["events"]) >= MIN_PREFIX * len(reference["events"])
+    else:
+        assert got == reference["events"]
