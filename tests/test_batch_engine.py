@@ -231,3 +231,47 @@ def test_slots_validation_and_thread(models):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_sessions"):
             BatchedEngine(ours, tokenizer, max_sessions=bad)
+
+
+BATCH_VERSUS_SOLO = """
+import sys
+import numpy as np
+from mlx_voicechat_plugin.loading import load
+from mlx_voicechat_plugin.runtime.batch import BatchedEngine
+from mlx_voicechat_plugin.runtime.streaming import StreamingOptions
+model, tokenizer = load(sys.argv[1])
+rng = np.random.default_rng(5)
+clips = [rng.uniform(-0.3, 0.3, 1280 * n).astype(np.float32) for n in (6, 4, 5)]
+options = [StreamingOptions(system_prompt=p, seed=s) for p, s in (("Be brief.", 0), (None, 3), ("Hi.", 8))]
+engine = BatchedEngine(model, tokenizer)
+ids = [engine.open(o) for o in options]
+for session_id, clip in zip(ids, clips):
+    engine.push_audio(session_id, clip)
+    engine.flush(session_id)
+got = {session_id: [] for session_id in ids}
+while len(engine):
+    for session_id, result in engine.tick().items():
+        got[session_id] += result.events
+def rows(events):
+    return [(e.kind, e.frame_index, getattr(e, "token_id", None), tuple(getattr(e, "audio_codes", ()) or ()),
+             np.asarray(e.samples).tobytes() if e.kind == "audio" else None) for e in events]
+for session_id, clip, option in zip(ids, clips, options):
+    alone = model.create_streaming_session(option, processor=tokenizer)
+    assert rows(got[session_id]) == rows(alone.push_audio(clip) + alone.flush()), session_id
+print("identical")
+"""
+
+
+def test_batched_equals_solo_on_mlx_own_operations(checkpoint):
+    """Row exactness does not depend on the CPU layer: with MLX's own products
+    (``MLX_VOICECHAT_CPU_ACCEL=0``) the batched sessions still equal their solo runs."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MLX_VOICECHAT_CPU_ACCEL": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", BATCH_VERSUS_SOLO, str(checkpoint("tiny"))],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("identical"), done.stderr[-3000:]

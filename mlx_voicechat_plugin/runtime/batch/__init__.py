@@ -9,12 +9,24 @@ lengths), RNG keys, limits and errors.
 
 Row exactness: a session's events equal its solo run bit for bit (ids, codes, audio), which
 holds because every row-wise operation computes each row as a one-row call does: products
-go through the plugin's native kernel on the CPU (each output element one dot product in a
-fixed order, whatever the number of rows) or MLX's BLAS products (the reference BLAS
-accumulates each element sequentially whatever the shapes); norms, activations, softmax,
-argmax and the RVQ search are per row. Attention runs per session; the per-session noise is
-drawn from each session's key. ``tests/test_batch_engine.py`` checks the events against
-solo and upstream runs.
+go through the CPU layer's native kernel (each output element one float32 dot product in
+order over the shared axis, whatever the number of rows: rows are blocked, the sum order is
+not) or, with ``MLX_VOICECHAT_CPU_ACCEL=0``, MLX's own CPU products (BLAS ``sgemm`` for
+``(B, K) x (K, N)``; for the shapes here, ``B`` 1 to 8 rows of 256 to 2048 features, each
+element comes out the same as with one row, which ``tests/test_batch_engine.py`` checks in
+a subprocess with the layer off); norms, activations, softmax, argmax and the RVQ search are
+per row. Attention runs per session; the per-session noise is drawn from each session's key.
+On a GPU, kernels chosen by shape may sum in another order for ``B > 1`` rows: exactness
+there is not claimed (the tests run on the CPU).
+
+Shapes of one tick with ``B`` batched sessions: language model rows ``(B, 1, hidden)``;
+EAR-TTS guidance rows ``(2B, 1, hidden)`` laid out ``[cond_0..cond_{B-1}, uncond_0..]``;
+codes ``(B, 1, 31)``; codec input ``(B, 31, 1)`` -> ``(B, 1, 1764)`` samples. Sessions that
+profile or use the diagnostic options are stepped alone within the tick.
+
+Threading: one thread creates the :class:`BatchedEngine` and calls all its methods (MLX
+evaluation is thread-affine; another thread gets ``WrongThreadError``). The realtime server
+drives it from its engine thread (``mlx_voicechat_plugin.server.engine``).
 """
 
 from .engine import BatchedEngine, SessionLimitError, TickResult, UnknownSessionError
