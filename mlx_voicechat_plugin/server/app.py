@@ -13,6 +13,10 @@ Routes (all under ``--api-prefix``):
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/messages`` --
   501 Not Implemented naming ``/v1/realtime`` (this checkpoint has no text chat surface).
 
+``/health``, ``/ready`` and ``/voicechat`` also answer HEAD. Every HTTP and WebSocket
+request must name an allowed ``Host`` (:class:`.security.HostGuardMiddleware`, a DNS
+rebinding guard); others get 403.
+
 No chat worker, batch scheduler or text warm-up exists here, and no route loads another
 model: the server serves exactly the checkpoint it was started with.
 """
