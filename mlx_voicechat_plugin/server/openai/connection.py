@@ -64,6 +64,8 @@ class OpenAIConnection(Connection):
     # ------------------------------------------------------------------ dispatch
     async def _dispatch(self, message: dict) -> None:
         client_event_id = message.get("event_id") if isinstance(message.get("event_id"), str) else None
+        if client_event_id is not None:
+            client_event_id = client_event_id[:128]  # echoed in error.event_id
         handler = self._HANDLERS.get(message["type"])
         try:
             if handler is None:
