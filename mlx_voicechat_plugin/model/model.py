@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from mlx_vlm.models.nemotron_voicechat.model import Model as UpstreamModel
 
+from .banded_attention import install_banded_attention
 from .codec import ShapeKeyedISTFTCache, install_patch_upsampling
 from .convolutions import install_pointwise_convolutions
 from .derived import rebuild_derived
@@ -71,6 +72,7 @@ class Model(UpstreamModel):
         install_patch_upsampling(codec.decoder)
         left_context = config.audio_config.encoder.att_context_size[0][0]
         self._position_caches = install_position_cache(self.stt_model.perception.encoder, left_context)
+        install_banded_attention(self.stt_model.perception.encoder)  # offline memory linear in length
         install_pointwise_convolutions(self)
         self.pinning: PinningReport | None = None
         #: The installed acceleration layer (``"cpu"``) or None (:func:`accelerate`).
