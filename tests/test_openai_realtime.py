@@ -265,6 +265,8 @@ def test_errors_have_the_ga_shape_and_keep_the_connection_open(server):
             client.send(message)
             error = client.error()
             assert (error["code"], error["param"], error["event_id"]) == (code, param, message["event_id"]), error
+        client.send({"type": "nope", "event_id": "x" * 1000})
+        assert client.error()["event_id"] == "x" * 128  # echoed, capped
         client.send("not json")
         assert client.error()["code"] == "invalid_request"
         client.ws.send(b"\x00\x01")
