@@ -207,6 +207,8 @@ def _write_shards(
     for index, names in enumerate(plan, start=1):
         name = f"model-{index:05d}-of-{len(plan):05d}.safetensors"
         shard = {key: stored.pop(key) for key in names}
+        for key in names:  # one tensor's temporaries at a time, not the whole shard's
+            mx.eval(shard[key])
         mx.save_safetensors(str(folder / name), shard, metadata={"format": "mlx"})
         size = sum(value.nbytes for value in shard.values())
         del shard
