@@ -118,3 +118,25 @@ def test_switch_turns_the_whole_layer_off(checkpoint, monkeypatch, value):
     monkeypatch.setenv(ACCEL_ENV, value)
     ours, _ = load(checkpoint("tiny"))
     _assert_plain_model(ours)
+
+
+def test_worker_jobs_run_on_the_submitting_device_inside_the_given_context():
+    import contextlib
+    import threading
+
+    from mlx_voicechat_plugin.runtime.workers import Job
+
+    entered = []
+
+    @contextlib.contextmanager
+    def context():
+        entered.append(threading.current_thread().name)
+        yield
+
+    def probe():
+        return mx.default_device(), threading.current_thread().name, (mx.ones(3) * 2).sum().item()
+
+    device, thread, value = Job("probe", probe, context=context).result()
+    assert device == mx.default_device() and value == 6.0
+    assert thread.startswith("voicechat-worker") and entered == [thread]
+    assert Job("plain", probe).result()[0] == mx.default_device()
