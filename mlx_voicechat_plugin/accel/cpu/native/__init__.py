@@ -31,7 +31,13 @@ layer calls when it is installed on a CPU-device model: the build never happens 
 middle of a turn) and the default device is the CPU, and the MLX operation otherwise (a
 machine without a C++ compiler, ``MLX_VOICECHAT_NATIVE=0``, a GPU default device); either
 way the result is the same array. The extension is built once (:mod:`.build`, a few
-seconds, cached per machine); :func:`status` says whether it is in use and why not.
+seconds, cached per machine, MLX version and instruction-set variant); :func:`status` says
+whether it is in use and why not.
+
+**Only where faster.** :func:`calibrate` (called by the CPU layer's install with the model's
+shapes, :mod:`..shapes`) times each kernel family against MLX's operation and switches off
+the families that are not faster on this machine (:mod:`.calibration`); each wrapper checks
+the decision for its dtype and row regime (:func:`decisions`).
 """
 
 from __future__ import annotations
