@@ -191,7 +191,7 @@ def test_limit_error_and_failure_stay_with_their_session(models, inputs):
     def explode(*_args, **_kwargs):
         raise RuntimeError("perception blew up")
 
-    engine.session(broken)._perceive = explode
+    engine.session(broken)._mel.push = explode  # the session's own front end fails
     events = []
     for index in range(4):
         for session_id in engine.session_ids:

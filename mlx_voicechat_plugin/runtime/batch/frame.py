@@ -3,8 +3,9 @@
 The order of work is the solo frame's (``runtime/streaming/session.py``), with the
 language model, EAR-TTS and the codec run once over the stacked rows:
 
-1. per session: log-mel and cache-aware FastConformer (its own caches), the projection,
-   the first RNNT decode step (side stream) and the fused LLM input row;
+1. per session: log-mel; all sessions: the cache-aware FastConformer's layers over the
+   stacked rows (:mod:`.perception`, attention per session) and the projection; per
+   session: the first RNNT decode step (side stream) and the fused LLM input row;
 2. all sessions: one Nemotron-H step (:func:`.language.language_step`), the argmax ids;
    **one** host round trip reads every session's ids and first RNNT symbols;
 3. per session: the remaining RNNT steps when its first symbol was not blank, its noise
@@ -25,9 +26,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..streaming.profile import FrameClock
 from .codec import codec_decode
 from .language import language_step
+from .perception import encode_frames
 from .speech import draw_noise, speech_step
 
 
@@ -53,8 +54,8 @@ def step_frames(sessions: list, frames: list[np.ndarray]) -> list[list]:
     Returns:
         Per session the frame's events, equal to ``session.push_audio(frame)`` alone, or
         the exception its own part of the frame raised: a solo-stepped session (closed
-        when the session itself says so) or a batched one whose perception failed (closed,
-        and left out of the shared steps).
+        when the session itself says so) or a batched one whose log-mel front end failed
+        (closed, and left out of the shared steps).
 
     Raises:
         Whatever a shared (batched) stage raises; the caller fails every session of the
@@ -71,25 +72,41 @@ def step_frames(sessions: list, frames: list[np.ndarray]) -> list[list]:
             except Exception as error:  # noqa: BLE001 - reported for this session only
                 results[index] = error
     if batch:
-        perceived = []
+        mels = []
         for index in batch:
-            try:
-                perceived.append((index, _perceive(sessions[index], frames[index])))
+            try:  # the session's own front end: a failure here is its alone
+                mels.append((index, sessions[index]._mel.push(frames[index])))
             except Exception as error:  # noqa: BLE001 - reported for this session only
                 sessions[index]._fail(error)
                 results[index] = error
-        if perceived:
-            outputs = _batched([sessions[i] for i, _ in perceived], [inputs for _, inputs in perceived])
-            for (index, _), events in zip(perceived, outputs):
+        if mels:
+            members = [sessions[i] for i, _ in mels]
+            outputs = _batched(members, _perceive(members, [mel for _, mel in mels]))
+            for (index, _), events in zip(mels, outputs):
                 results[index] = events
     return results
 
 
-def _perceive(session, frame: np.ndarray) -> tuple[mx.array, list[mx.array]]:
-    """A session's own part of the frame: the fused LLM input row and RNNT read-back."""
-    projected, encoded = session._perceive(frame, FrameClock(session._frame_index, False, False))
-    readback = [session._transcript.schedule(encoded)] if session._transcript.enabled else []
-    return session._fuse(projected), readback
+def _perceive(sessions: list, mels: list[mx.array]) -> list[tuple[mx.array, list[mx.array]]]:
+    """The encoder frames of all sessions (:func:`.perception.encode_frames`), the
+    projection over the stacked rows; per session its fused LLM input row and first RNNT
+    step (``StreamingSession._perceive`` and the start of ``_step_frame``)."""
+    perception = sessions[0].model.stt_model.perception
+    chunks = encode_frames(perception.encoder, [session._conformer for session in sessions], mels)
+    for mel, found in zip(mels, chunks):
+        if len(found) != 1 or found[0].shape[1] != 1:
+            raise RuntimeError(
+                "cached perception did not emit exactly one encoder frame: "
+                f"mel={tuple(mel.shape)}, encoded={[tuple(c.shape) for c in found]}"
+            )
+    encoded = mx.concatenate([found[0] for found in chunks], axis=0)
+    projected = perception.proj(encoded)
+    perceived = []
+    for row, session in enumerate(sessions):
+        frame_encoded = encoded[row : row + 1]
+        readback = [session._transcript.schedule(frame_encoded)] if session._transcript.enabled else []
+        perceived.append((session._fuse(projected[row : row + 1]), readback))
+    return perceived
 
 
 def _batched(sessions: list, perceived: list) -> list[list]:

@@ -1,0 +1,136 @@
+"""Cache-aware FastConformer frames of many sessions: per-session front end, batched blocks.
+
+Per session, as alone: the log-mel front end (``MelFrontend``) and, following upstream
+``ConformerStreamingState.push(mel, emit_partial=True)`` and our
+``ProjectedStreamingState._encode_mel_chunk``, the subsampling pre-encoder over the
+session's own mel window with its bookkeeping. Each chunk's encoder layers then run for all
+sessions at once, chunk by chunk ("rounds": a session's second chunk of a frame, if any,
+follows its first): the feed-forward modules, norms, key/value projections, pointwise
+convolutions, the depthwise convolution over the stacked windows and the batch norm run over
+the stacked ``(B, 1, d)`` rows; the attention runs per session over its own retained keys and
+values (:func:`~..streaming.conformer._attend`, upstream ``RelPositionMultiHeadAttention.stream``).
+A round whose chunks are not one encoder frame each runs each session's own blocks.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_audio.stt.models.nemotron_asr.streaming import _PRE_ENCODE_MEL_CACHE
+
+from ..streaming.conformer import _attend
+
+
+def _pre_encode(state, m: mx.array, include_boundary: bool) -> mx.array | None:
+    """``ProjectedStreamingState._encode_mel_chunk`` up to (not including) the layers."""
+    cache_len = 0 if state.mel_cache is None else state.mel_cache.shape[1]
+    win = m if state.mel_cache is None else mx.concatenate([state.mel_cache, m], axis=1)
+    sub = state.encoder.pre_encode(win, mx.array([win.shape[1]], dtype=mx.int32))[0]
+    end = state.consumed + m.shape[1]
+    base = (state.consumed - cache_len) // state.subsampling_factor
+    lo = state.emitted - base
+    hi = sub.shape[1] if include_boundary else (end // state.subsampling_factor - base)
+    state.consumed = end
+    keep = _PRE_ENCODE_MEL_CACHE + (end - _PRE_ENCODE_MEL_CACHE) % state.subsampling_factor
+    state.mel_cache = win[:, -keep:]
+    if hi <= lo:
+        state.emitted = base + max(lo, hi)
+        return None
+    state.emitted = base + hi
+    return sub[:, lo:hi]
+
+
+def _chunks(state, mel: mx.array) -> list[mx.array]:
+    """Upstream ``ConformerStreamingState.push(mel, emit_partial=True)``, returning each
+    chunk's pre-encoded rows (the layers still to run)."""
+    if state.closed:
+        raise RuntimeError("conformer streaming state is closed")
+    state._append_pending(mel)
+    rows = []
+    while state.pending is not None and state.pending.shape[1] > 0:
+        chunk_mel = state.first_chunk_mel if state.consumed == 0 else state.chunk_mel
+        take = min(chunk_mel, state.pending.shape[1])
+        if state.pending.shape[1] <= chunk_mel:
+            take = state.pending.shape[1]
+        m = state.pending[:, :take]
+        state.pending = state.pending[:, take:]
+        pre = _pre_encode(state, m, state.pending.shape[1] == 0)
+        if pre is not None:
+            rows.append(pre)
+    return rows
+
+
+def _block(index: int, block, states: list, x: mx.array) -> mx.array:
+    """``ProjectedStreamingState._block`` for layer ``index`` over one row per session."""
+    residual = x + 0.5 * block.feed_forward1(block.norm_feed_forward1(x))
+    xn = block.norm_self_att(residual)
+    attention = block.self_attn
+    new_keys, new_values = attention.linear_k(xn), attention.linear_v(xn)
+    attended = []
+    for row, state in enumerate(states):
+        xn_row = xn[row : row + 1]
+        keys, values = new_keys[row : row + 1], new_values[row : row + 1]
+        attn_cache = state.attn_cache[index]
+        kv = xn_row if attn_cache is None else mx.concatenate([attn_cache, xn_row], axis=1)
+        if attn_cache is not None:
+            keys = mx.concatenate([state.key_cache[index], keys], axis=1)
+            values = mx.concatenate([state.value_cache[index], values], axis=1)
+        pos_emb = state.encoder.pos_enc.pos_emb_for(kv.shape[1], x.dtype)
+        attended.append(_attend(attention, xn_row, keys, values, pos_emb))
+        left = state.left_cache
+        state.attn_cache[index] = kv[:, -left:] if left > 0 else kv[:, :0]
+        state.key_cache[index] = keys[:, -left:] if left > 0 else keys[:, :0]
+        state.value_cache[index] = values[:, -left:] if left > 0 else values[:, :0]
+    residual = residual + mx.concatenate(attended, axis=0)
+
+    xc = block.norm_conv(residual)
+    g = nn.glu(block.conv.pointwise_conv1(xc), axis=-1)
+    windows = []
+    for row, state in enumerate(states):
+        conv_cache = state.conv_cache[index]
+        if conv_cache is None:
+            conv_cache = mx.zeros((1, state.conv_left, g.shape[2]), dtype=g.dtype)
+        windows.append(mx.concatenate([conv_cache, g[row : row + 1]], axis=1))
+    din = mx.concatenate(windows, axis=0)
+    dw = block.conv.depthwise_conv(din)
+    for row, state in enumerate(states):
+        state.conv_cache[index] = din[row : row + 1, -state.conv_left :]
+    y = block.conv.batch_norm(dw)
+    y = block.conv.activation(y)
+    residual = residual + block.conv.pointwise_conv2(y)
+
+    residual = residual + 0.5 * block.feed_forward2(block.norm_feed_forward2(residual))
+    return block.norm_out(residual)
+
+
+def encode_frames(encoder, states: list, mels: list[mx.array]) -> list[list[mx.array]]:
+    """Push one frame's mel rows per session; return each session's encoded chunks.
+
+    Args:
+        encoder: the perception FastConformer (``states[i].encoder``).
+        states: per session its ``ProjectedStreamingState``.
+        mels: per session ``(1, frames, 128)`` new mel rows (from its ``MelFrontend``).
+
+    Returns:
+        Per session the list of ``(1, n, d)`` chunks ``state.push(mel, emit_partial=True)``
+        returns alone.
+    """
+    pending = [_chunks(state, mel) for state, mel in zip(states, mels)]
+    outputs: list[list[mx.array]] = [[] for _ in states]
+    rounds = max((len(rows) for rows in pending), default=0)
+    for round_index in range(rounds):
+        members = [i for i, rows in enumerate(pending) if len(rows) > round_index]
+        hs = [pending[i][round_index] for i in members]
+        if len(members) > 1 and all(h.shape[1] == 1 for h in hs):
+            h = mx.concatenate(hs, axis=0)
+            group = [states[i] for i in members]
+            for index, block in enumerate(encoder.layers):
+                h = _block(index, block, group, h)
+            for row, i in enumerate(members):
+                outputs[i].append(h[row : row + 1])
+            continue
+        for i, h in zip(members, hs):
+            for index, block in enumerate(encoder.layers):
+                h = states[i]._block(index, block, h)
+            outputs[i].append(h)
+    return outputs
