@@ -1,0 +1,256 @@
+"""Measurements at full size (issue #13; results in docs/performance.md "Full size").
+
+Build the checkpoint first (random weights, the published configuration):
+
+    nice -n 10 python -m mlx_voicechat_plugin.demo build /work/full-ckpt/q4 --preset full --bits 4
+
+then, one measurement at a time (each runs in its own subprocess and reports its peak RSS
+from ``resource.getrusage``; keep them under the machine's free memory):
+
+    python scripts/full_size.py load CKPT [--upstream]      # load time, RSS, pinning, peak
+    python scripts/full_size.py stream CKPT --frames 8       # one streamed frame's stages
+    python scripts/full_size.py offline CKPT --seconds 1 5   # offline turns
+    python scripts/full_size.py perception CKPT --minutes 1 2 [--upstream]
+    python scripts/full_size.py project CKPT                 # bytes per frame, Apple table
+
+``perception`` loads only the encoder and its projection (about 2.4 GB pinned at full
+width), so long inputs fit beside the rest of the machine's work. Each command prints one
+JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: Published memory bandwidth of Apple chips (GB/s).
+APPLE_BANDWIDTH_GBS = {
+    "M1": 68.25, "M1 Pro": 200, "M1 Max": 400, "M1 Ultra": 800,
+    "M2": 100, "M2 Pro": 200, "M2 Max": 400, "M2 Ultra": 800,
+    "M3": 100, "M3 Pro": 150, "M3 Max": 400,
+    "M4": 120, "M4 Pro": 273, "M4 Max": 546,
+}
+FRAME_MS = 80.0
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _stored_bytes(path: Path) -> int:
+    return json.loads((path / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+
+
+def _load(path: Path, upstream: bool):
+    import mlx_vlm
+
+    from mlx_voicechat_plugin.registration.hooks import upstream_models
+
+    if upstream:
+        with upstream_models():
+            return mlx_vlm.load(str(path))
+    from mlx_voicechat_plugin.loading import load
+
+    return load(path)
+
+
+def measure_load(path: Path, upstream: bool) -> dict:
+    from mlx_voicechat_plugin.model.pinning import pinning_cost
+
+    config = json.loads((path / "config.json").read_text())
+    start = time.perf_counter()
+    model, _ = _load(path, upstream)
+    seconds = time.perf_counter() - start
+    pinning = getattr(model, "pinning", None)
+    return {
+        "model": "upstream" if upstream else "ours",
+        "load_s": round(seconds, 1),
+        "stored_gb": _stored_bytes(path) / 1e9,
+        "pinning_gb": (pinning.extra_bytes / 1e9) if pinning else 0.0,
+        "pinning_from_config_gb": pinning_cost(config).extra_bytes / 1e9,
+        "rss_after_load_gb": _rss() / 1e9,
+        "peak_rss_gb": _peak_rss() / 1e9,
+    }
+
+
+def measure_stream(path: Path, frames: int) -> dict:
+    import numpy as np
+
+    model, tokenizer = _load(path, False)
+    session = model.create_streaming_session(processor=tokenizer, system_prompt="Be concise.", seed=0, profile=True)
+    rng = np.random.default_rng(0)
+    samples = (0.05 * rng.standard_normal(frames * 1280)).astype(np.float32)
+    for start in range(0, len(samples), 1280):
+        session.push_audio(samples[start : start + 1280], 16000)
+    summary = session.profile.summary(drop_first=min(2, frames - 1))
+    session.cancel()
+    return {"frames": frames, "summary": summary, "peak_rss_gb": _peak_rss() / 1e9}
+
+
+def measure_offline(path: Path, seconds: list[float]) -> dict:
+    import numpy as np
+
+    model, tokenizer = _load(path, False)
+    rng = np.random.default_rng(0)
+    turns = []
+    for length in seconds:
+        samples = (0.05 * rng.standard_normal(round(length * 16000))).astype(np.float32)
+        start = time.perf_counter()
+        result = model.create_session(tokenizer).generate(samples, extra_decoding_seconds=0.0, seed=0)
+        turns.append({"input_s": length, "frames": result.frames, "wall_s": round(time.perf_counter() - start, 1)})
+    return {"turns": turns, "peak_rss_gb": _peak_rss() / 1e9}
+
+
+def _perception_only(path: Path, upstream: bool):
+    """The encoder and its projection with the checkpoint's weights (sanitized as the loader
+    does; ours pinned to f32 as at load)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models.nemotron_voicechat import Model as UpstreamModel
+    from mlx_vlm.models.nemotron_voicechat import ModelConfig
+
+    from mlx_voicechat_plugin.model import Model
+    from mlx_voicechat_plugin.model.pinning import pin_f32_weights
+
+    config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+    model = (UpstreamModel if upstream else Model)(config)
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    wanted = {key for key in index if key.startswith("stt_model.perception.") and ".preprocessor." not in key}
+    weights = {}
+    for shard in sorted({index[key] for key in wanted}):
+        loaded = mx.load(str(path / shard))
+        weights.update({key: loaded[key] for key in wanted if key in loaded})
+        del loaded
+    weights = model.sanitize(weights)
+    perception = model.stt_model.perception
+    perception.load_weights([(key[len("stt_model.perception."):], value) for key, value in weights.items()])
+    del weights
+    if not upstream:
+        pin_f32_weights(perception)
+    mx.eval(perception.parameters())
+    return model, sum(v.nbytes for _, v in tree_flatten(perception.parameters()))
+
+
+def measure_perception(path: Path, minutes: float, upstream: bool) -> dict:
+    import mlx.core as mx
+    import numpy as np
+    from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram
+
+    model, weight_bytes = _perception_only(path, upstream)
+    rss_loaded = _rss()
+    rng = np.random.default_rng(0)
+    samples = (0.05 * rng.standard_normal(round(minutes * 60 * 16000))).astype(np.float32)
+    mel = log_mel_spectrogram(mx.array(samples), model.config.audio_config.preprocessor)
+    mx.eval(mel)
+    start = time.perf_counter()
+    outputs = model.stt_model.perception(mel, mx.array([mel.shape[1]]))
+    mx.eval(outputs)
+    return {
+        "model": "upstream" if upstream else "ours",
+        "minutes": minutes,
+        "encoder_frames": int(outputs[0].shape[1]),
+        "weights_gb": weight_bytes / 1e9,
+        "rss_loaded_gb": rss_loaded / 1e9,
+        "perception_s": round(time.perf_counter() - start, 1),
+        "peak_rss_gb": _peak_rss() / 1e9,
+    }
+
+
+def bytes_per_frame(path: Path) -> dict:
+    """Weight bytes one streamed frame reads, from the stored tensors' sizes and the pinning.
+
+    Every weight is read once per frame except gathered tables (token embeddings, EAR-TTS
+    code and character tables, RVQ codebooks read by row) and the codec encoder (only at
+    warm-up); EAR-TTS runs with classifier-free guidance (batch 2) but reads its weights once.
+    Pinned tensors count 4 bytes per value.
+    """
+    import mlx.core as mx
+
+    from mlx_voicechat_plugin.model.pinning import is_pinned_parameter
+
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    gathered = ("stt_model.embed_tokens.", "embed_subword.embed_tokens", "rvq_embs", "prvq.", "audio_codec.encoder.",
+                "mog_head.low_mat", "audio_prompt_latents", "subword_flag_emb", "bos_eos_emb")
+    total = 0
+    by_part: dict[str, int] = {}
+    for shard in sorted(set(index.values())):
+        for key, value in mx.load(str(path / shard)).items():
+            if any(part in key for part in gathered) or ".preprocessor." in key:
+                continue
+            size = value.nbytes
+            if is_pinned_parameter(key) and value.dtype == mx.bfloat16:
+                size *= 2
+            total += size
+            part = key.split(".")[0] + "." + key.split(".")[1]
+            by_part[part] = by_part.get(part, 0) + size
+    table = {
+        chip: {"floor_ms_per_frame": round(total / (bandwidth * 1e9) * 1000, 2),
+               "real_time_by_floor": total / (bandwidth * 1e9) * 1000 < FRAME_MS}
+        for chip, bandwidth in APPLE_BANDWIDTH_GBS.items()
+    }
+    return {"bytes_per_frame_gb": total / 1e9, "by_part_gb": {k: v / 1e9 for k, v in by_part.items()}, "apple": table}
+
+
+def _in_subprocess(argv: list[str]) -> dict:
+    done = subprocess.run([sys.executable, __file__, "--child", *argv], capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"argv": argv, "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    commands = parser.add_subparsers(dest="command", required=True)
+    load = commands.add_parser("load")
+    load.add_argument("checkpoint", type=Path)
+    load.add_argument("--upstream", action="store_true")
+    stream = commands.add_parser("stream")
+    stream.add_argument("checkpoint", type=Path)
+    stream.add_argument("--frames", type=int, default=8)
+    offline = commands.add_parser("offline")
+    offline.add_argument("checkpoint", type=Path)
+    offline.add_argument("--seconds", type=float, nargs="+", default=[1.0, 5.0])
+    perception = commands.add_parser("perception")
+    perception.add_argument("checkpoint", type=Path)
+    perception.add_argument("--minutes", type=float, nargs="+", default=[1.0])
+    perception.add_argument("--upstream", action="store_true")
+    project = commands.add_parser("project")
+    project.add_argument("checkpoint", type=Path)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+    if args.command == "project":
+        result = bytes_per_frame(args.checkpoint)
+    elif not args.child:
+        rest = [arg for arg in (argv if argv is not None else sys.argv[1:])]
+        if args.command == "perception":  # one subprocess per length: peak RSS per input
+            base = ["perception", str(args.checkpoint), *(["--upstream"] if args.upstream else [])]
+            result = {"runs": [_in_subprocess([*base, "--minutes", str(m)]) for m in args.minutes]}
+        else:
+            result = _in_subprocess(rest)
+    elif args.command == "load":
+        result = measure_load(args.checkpoint, args.upstream)
+    elif args.command == "stream":
+        result = measure_stream(args.checkpoint, args.frames)
+    elif args.command == "offline":
+        result = measure_offline(args.checkpoint, args.seconds)
+    else:
+        result = measure_perception(args.checkpoint, args.minutes[0], args.upstream)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
