@@ -227,15 +227,15 @@ def test_generate_prints_labelled_lines_and_the_wav_path(tiny, tmp_path, monkeyp
 def test_serve_banner_names_the_socket_and_the_page(tiny, tmp_path, monkeypatch):
     import shutil
 
-    import uvicorn
-
     from mlx_voicechat_plugin.server import cli as server_cli
+    from mlx_voicechat_plugin.server import serving
 
     demo = tmp_path / "demo"
     shutil.copytree(tiny, demo)
-    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(serving.VoiceChatServer, "run", lambda self, sockets=None: None)
     code, _, err = _in_process(server_cli.main, ["--model", str(demo), "--port", "18765",
-                                                 "--host", "0.0.0.0", "--api-prefix", "/v"])
+                                                 "--host", "0.0.0.0", "--api-prefix", "/v"],
+                               hard_exit=False)
     assert code == 0, err
     assert "ws://localhost:18765/v/v1/realtime" in err
     assert "http://localhost:18765/v/voicechat" in err
