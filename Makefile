@@ -17,7 +17,6 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/mlx-voicechat generate --audio tests/data/question.wav --output-audio answer.wav \
 		-p "Be concise and answer in one sentence."
-	@echo "wrote answer.wav (22050 Hz mono PCM16)"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
