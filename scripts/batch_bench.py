@@ -5,8 +5,9 @@
 
 For each session count N it opens N sessions (different prompts and seeds), feeds each the
 bundled question (looped) one frame per tick, and reports the median and p90 tick time
-after ``--warmup`` ticks, the aggregate speed-up (N x one session's frame time / tick
-time), the real-time factor (tick / 80 ms) and the MLX memory each extra session adds.
+after ``--warmup`` ticks, the CPU time of a tick (all threads; less sensitive to other
+processes on a shared machine), the aggregate speed-up (N x one session's frame time / tick
+time), the real-time factor (tick / 80 ms) and the bytes of state one session keeps.
 For the largest N it also checks that every session's events (ids, codes, audio) equal
 the same session run alone. The machine's load (``uptime``) is printed: the CPU may be
 shared.
@@ -61,26 +62,47 @@ def run(model, tokenizer, sessions: int, frames: int, warmup: int):
     ids = [engine.open(_options(index)) for index in range(sessions)]
     audio = [_audio(frames, index) for index in range(sessions)]
     events = {session_id: [] for session_id in ids}
-    ticks = []
+    ticks, cpu = [], []
     memory_after_warmup = None
     for frame in range(frames):
         for session_id, samples in zip(ids, audio):
             engine.push_audio(session_id, samples[frame * FRAME : (frame + 1) * FRAME])
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         results = engine.tick()
         ticks.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
         for session_id, result in results.items():
             assert result.error is None, result.error
             events[session_id] += result.events
         if frame == warmup - 1:
             memory_after_warmup = mx.get_active_memory()
     timed = ticks[warmup:]
+    state = [state_bytes(engine.session(session_id)) for session_id in ids]
     return {
         "sessions": sessions,
         "tick_median_ms": 1000 * statistics.median(timed),
         "tick_p90_ms": 1000 * sorted(timed)[int(0.9 * (len(timed) - 1))],
+        "tick_cpu_median_ms": 1000 * statistics.median(cpu[warmup:]),
+        "state_mb_per_session": statistics.mean(state) / 2**20,
         "active_memory_mb": (memory_after_warmup - base) / 2**20,
     }, [events[session_id] for session_id in ids], audio
+
+
+def state_bytes(session) -> int:
+    """Bytes of the arrays a session keeps between frames (encoder window, Mamba state, KV
+    caches, EAR-TTS caches, codec overlap, RNNT state): what one more session costs."""
+    arrays = [
+        *session._conformer_arrays(),
+        *session._language.state_arrays(),
+        *session._speech.state_arrays(),
+        *session._transcript.state_arrays(),
+    ]
+    seen, total = set(), 0
+    for array in arrays:
+        if id(array) not in seen:
+            seen.add(id(array))
+            total += array.nbytes
+    return total
 
 
 def solo_events(model, tokenizer, index: int, samples: np.ndarray):
@@ -117,10 +139,11 @@ def main(argv=None) -> int:
     for sessions in args.sessions:
         row, events, audio = run(model, tokenizer, sessions, args.frames, args.warmup)
         if single is None and sessions == 1:
-            single = row["tick_median_ms"]
+            single = (row["tick_median_ms"], row["tick_cpu_median_ms"])
         if single:
-            row["aggregate_speedup"] = sessions * single / row["tick_median_ms"]
-            row["tick_over_one_session"] = row["tick_median_ms"] / single
+            row["aggregate_speedup"] = sessions * single[0] / row["tick_median_ms"]
+            row["tick_over_one_session"] = row["tick_median_ms"] / single[0]
+            row["cpu_tick_over_one_session"] = row["tick_cpu_median_ms"] / single[1]
         row["realtime_factor"] = row["tick_median_ms"] / 80.0
         rows.append(row)
         last = (sessions, events, audio)
