@@ -8,7 +8,7 @@ then, one measurement at a time (each runs in its own subprocess and reports its
 from ``resource.getrusage``; keep them under the machine's free memory):
 
     python scripts/full_size.py load CKPT [--upstream]      # load time, RSS, pinning, peak
-    python scripts/full_size.py stream CKPT --frames 8       # one streamed frame's stages
+    python scripts/full_size.py stream CKPT --frames 8 [--offline-seconds 1 5]
     python scripts/full_size.py offline CKPT --seconds 1 5   # offline turns
     python scripts/full_size.py perception CKPT --minutes 1 2 [--upstream]
     python scripts/full_size.py project CKPT                 # bytes per frame, Apple table
@@ -84,7 +84,7 @@ def measure_load(path: Path, upstream: bool) -> dict:
     }
 
 
-def measure_stream(path: Path, frames: int) -> dict:
+def measure_stream(path: Path, frames: int, offline_seconds: list[float] | None = None) -> dict:
     import numpy as np
 
     model, tokenizer = _load(path, False)
@@ -95,13 +95,16 @@ def measure_stream(path: Path, frames: int) -> dict:
         session.push_audio(samples[start : start + 1280], 16000)
     summary = session.profile.summary(drop_first=min(2, frames - 1))
     session.cancel()
-    return {"frames": frames, "summary": summary, "peak_rss_gb": _peak_rss() / 1e9}
+    result = {"frames": frames, "summary": summary}
+    if offline_seconds:  # the same loaded model (a full-size load takes minutes here)
+        result["offline"] = _offline_turns(model, tokenizer, offline_seconds)
+    result["peak_rss_gb"] = _peak_rss() / 1e9
+    return result
 
 
-def measure_offline(path: Path, seconds: list[float]) -> dict:
+def _offline_turns(model, tokenizer, seconds: list[float]) -> list[dict]:
     import numpy as np
 
-    model, tokenizer = _load(path, False)
     rng = np.random.default_rng(0)
     turns = []
     for length in seconds:
@@ -109,7 +112,12 @@ def measure_offline(path: Path, seconds: list[float]) -> dict:
         start = time.perf_counter()
         result = model.create_session(tokenizer).generate(samples, extra_decoding_seconds=0.0, seed=0)
         turns.append({"input_s": length, "frames": result.frames, "wall_s": round(time.perf_counter() - start, 1)})
-    return {"turns": turns, "peak_rss_gb": _peak_rss() / 1e9}
+    return turns
+
+
+def measure_offline(path: Path, seconds: list[float]) -> dict:
+    model, tokenizer = _load(path, False)
+    return {"turns": _offline_turns(model, tokenizer, seconds), "peak_rss_gb": _peak_rss() / 1e9}
 
 
 def _perception_only(path: Path, upstream: bool):
@@ -219,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     stream = commands.add_parser("stream")
     stream.add_argument("checkpoint", type=Path)
     stream.add_argument("--frames", type=int, default=8)
+    stream.add_argument("--offline-seconds", type=float, nargs="*", default=[],
+                        help="then offline turns of these lengths on the same loaded model")
     offline = commands.add_parser("offline")
     offline.add_argument("checkpoint", type=Path)
     offline.add_argument("--seconds", type=float, nargs="+", default=[1.0, 5.0])
@@ -243,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "load":
         result = measure_load(args.checkpoint, args.upstream)
     elif args.command == "stream":
-        result = measure_stream(args.checkpoint, args.frames)
+        result = measure_stream(args.checkpoint, args.frames, args.offline_seconds)
     elif args.command == "offline":
         result = measure_offline(args.checkpoint, args.seconds)
     else:
