@@ -71,6 +71,7 @@ def test_a_client_that_stops_reading_loses_its_slot_within_the_send_timeout(tiny
             raw.send_text(json.dumps(append(_speech(8.0))))
         assert server.health()["session_slot"] == "busy"
         waited = server.wait_slot_free(timeout=60)  # never without the send deadline
+        print(f"slot free {waited:.2f} s after the last append")
         with server.connect() as client:
             client.configure(seed=0)
             client.send(append(_speech(0.16)))
@@ -79,7 +80,7 @@ def test_a_client_that_stops_reading_loses_its_slot_within_the_send_timeout(tiny
         assert code == 1000 and events[-1]["type"] == "response.done"
         assert _closed_within(raw.sock, 10), "the stalled socket is still open"
         raw.sock.close()
-    assert waited < 60
+    assert waited < 20, f"the slot was released {waited:.1f} s after the appends (send_timeout 1 s)"
 
 
 # ---------------------------------------------------------------------- floods
