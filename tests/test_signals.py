@@ -29,24 +29,46 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_sigterm_closes_an_active_session_with_1001_and_exits_143(tiny, tmp_path):
+def _start_server(tiny, log) -> tuple[subprocess.Popen, int]:
+    """``mlx-voicechat serve`` on a free port, once ``/health`` answers."""
     port = _free_port()
     command = [sys.executable, "-m", "mlx_voicechat_plugin.cli.main", "serve", "--model", str(tiny)]
     command += ["--port", str(port), "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    deadline = time.monotonic() + 90
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(f"serve exited with {process.returncode}")
+        try:
+            if http("GET", f"http://127.0.0.1:{port}/health")[0] == 200:
+                return process, port
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("server did not come up")
+        time.sleep(0.2)
+
+
+def test_ctrl_c_to_an_idle_server_exits_130(tiny, tmp_path):
     log_path = tmp_path / "serve.log"
     with open(log_path, "w+b") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+        process, _ = _start_server(tiny, log)
         try:
-            deadline = time.monotonic() + 90
-            while True:
-                assert process.poll() is None, log_path.read_text()
-                try:
-                    if http("GET", f"http://127.0.0.1:{port}/health")[0] == 200:
-                        break
-                except OSError:
-                    pass
-                assert time.monotonic() < deadline, "server did not come up"
-                time.sleep(0.2)
+            process.send_signal(signal.SIGINT)
+            assert process.wait(20) == 130
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    assert "terminate called" not in log_path.read_text()
+
+
+def test_sigterm_closes_an_active_session_with_1001_and_exits_143(tiny, tmp_path):
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w+b") as log:
+        process, port = _start_server(tiny, log)
+        try:
             with Client(f"ws://127.0.0.1:{port}/v1/realtime") as client:
                 client.configure(seed=0)
                 speech = np.random.default_rng(0).uniform(-0.3, 0.3, 16000 * 8).astype(np.float32)
