@@ -131,3 +131,31 @@ def test_streamed_frame_makes_exactly_two_host_evaluations(models, speech_16k):
             session.push_audio(speech_16k[start : start + 1280])
             counts.append(counter.frame().evaluations)
     assert counts[2:] == [2] * 8, counts
+
+
+def test_bench_rejects_a_model_path_without_a_checkpoint(tmp_path, capsys):
+    from mlx_voicechat_plugin.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(tmp_path), "--presets"])
+    assert exit_info.value.code == 2
+    assert "not a checkpoint directory (no config.json)" in capsys.readouterr().err
+
+
+def test_bench_counts_a_checkpoint_given_by_path(checkpoint, tmp_path, monkeypatch):
+    """``--model PATH`` with ``--repeats 0``: only the per-frame counts, ours and upstream."""
+    import json
+
+    monkeypatch.setenv("MLX_VOICECHAT_COMPILE", "0")  # --compile off sets it; restored after
+
+    from mlx_voicechat_plugin.bench.__main__ import main
+
+    path = checkpoint("tiny")
+    out = tmp_path / "bench.json"
+    assert main(["--presets", "--model", str(path), "--repeats", "0", "--graph-frames", "1",
+                 "--extra-seconds", "0", "--offline-seconds", "--compile", "off", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    counts = results["graph"][path.name]
+    assert counts["ours"]["frames"] == 1 and counts["ours"]["evaluations"] == 2
+    assert counts["upstream"]["primitives"] > counts["ours"]["primitives"] > 0
+    assert results["machine"]["instruction_set"] and results["streaming"] == {}

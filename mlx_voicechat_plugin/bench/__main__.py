@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(default); on / off; auto = as MLX_VOICECHAT_COMPILE decides")
     parser.add_argument("--graph-frames", type=int, default=10,
                         help="frames whose primitives, evaluations and weight bytes are counted (0: skip)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed streaming runs per side (0: no timing, only the --graph-frames counts)")
     parser.add_argument("--extra-seconds", type=float, default=3.0, help="silence after the question")
     parser.add_argument("--offline-preset", default="medium")
     parser.add_argument("--offline-model", type=Path, default=None, metavar="PATH",
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.repeats < 0 or args.graph_frames < 0:
+        parser.error("--repeats and --graph-frames must be >= 0")
     for path in [*args.model, *([args.offline_model] if args.offline_model else [])]:
         if not (path / "config.json").is_file():
             parser.error(f"--model {path}: not a checkpoint directory (no config.json)")
@@ -84,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             compiled.install(ours, force=True)
         elif args.compile == "off":
             os.environ[compiled.COMPILE_ENV] = "0"  # the sessions install nothing
-        results["streaming"][name] = streaming.run(
-            ours, tokenizer, upstream, processor, samples, args.repeats, compile_ab=args.compile == "ab"
-        )
+        if args.repeats > 0:
+            results["streaming"][name] = streaming.run(
+                ours, tokenizer, upstream, processor, samples, args.repeats, compile_ab=args.compile == "ab"
+            )
         if args.graph_frames > 0:
             results["graph"][name] = streaming.graph_counts(
                 ours, tokenizer, upstream, processor, samples, args.graph_frames
@@ -123,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     offline_text = report.offline_table(results["offline"]) if "offline" in results else ""
     graph_text = report.graph_table(results["graph"]) if results["graph"] else ""
     print(report.machine_line(results["machine"]))
-    print()
-    print(summary)
-    print()
-    print(stages)
+    if results["streaming"]:
+        print()
+        print(summary)
+        print()
+        print(stages)
     if graph_text:
         print()
         print(graph_text)
@@ -139,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
-    if args.plot:
+    if args.plot and results["streaming"]:
         if report.plot(results["streaming"], args.plot):
             print(f"[bench] plot written to {args.plot}", file=sys.stderr)
         else:

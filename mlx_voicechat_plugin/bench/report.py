@@ -116,8 +116,13 @@ def machine_line(machine: dict) -> str:
         f"Machine: {machine['cpu']} ({machine.get('instruction_set', 'instruction set unknown')}), "
         f"{machine['cores']} cores, {machine['memory_gib']} GiB, {machine['platform']}, "
         f"Python {machine['python']}, MLX {machine['mlx']} ({machine['device']}); "
-        f"CPU layer: {machine.get('cpu_layer', machine.get('native_kernels', 'unknown'))}."
+        f"{_layer(machine)}."
     )
+
+
+def _layer(machine: dict) -> str:
+    status = str(machine.get("cpu_layer", machine.get("native_kernels", "unknown")))
+    return status if status.lower().startswith("cpu layer") else f"CPU layer: {status}"
 
 
 def graph_table(graph: dict) -> str:
