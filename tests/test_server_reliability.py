@@ -259,3 +259,26 @@ def test_a_limit_below_one_frame_fails_session_initialization(server, slot_relea
         assert "80 ms" in message
         client.send(update(max_streaming_seconds=FRAME / SECONDS))
         assert client.recv_type("session.updated")
+
+
+def test_shutdown_does_not_wait_on_a_client_that_stops_reading(tiny, engine):
+    """SIGTERM's path (uvicorn's shutdown) with a stalled client: the WebSocket is closed
+    (1001, then aborted) and the server stops within seconds, the slot released."""
+    import json
+
+    server = _handle(tiny, engine, sndbuf=4096, send_timeout=120.0)
+    with server:
+        raw = _raw(server, rcvbuf=4096)
+        _configure(raw)
+        for _ in range(3):
+            raw.send_text(json.dumps(append(_speech(8.0))))
+        time.sleep(2.0)  # the server's sends are blocked now
+        assert server.health()["session_slot"] == "busy"
+        start = time.monotonic()
+    stopped = time.monotonic() - start
+    raw.sock.close()
+    deadline = time.monotonic() + 30
+    while not engine.slot_free:
+        assert time.monotonic() < deadline, "the slot was not released by the shutdown"
+        time.sleep(0.05)
+    assert stopped < 8, f"the shutdown took {stopped:.1f} s"
