@@ -282,3 +282,31 @@ def test_shutdown_does_not_wait_on_a_client_that_stops_reading(tiny, engine):
         assert time.monotonic() < deadline, "the slot was not released by the shutdown"
         time.sleep(0.05)
     assert stopped < 8, f"the shutdown took {stopped:.1f} s"
+
+
+def test_repeated_accept_errors_are_logged_once_per_interval():
+    """A flood of identical records (asyncio's accept failures, uvicorn's refusals) passes
+    one per interval, the next one counting what was dropped, without its traceback."""
+    import logging
+
+    from mlx_voicechat_plugin.server.log_limit import RateLimitFilter
+
+    now = [0.0]
+    limiter = RateLimitFilter(10.0, clock=lambda: now[0])
+
+    def record(message="socket.accept() out of system resource"):
+        try:
+            raise OSError(24, "Too many open files")
+        except OSError:
+            import sys
+
+            exc_info = sys.exc_info()
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, exc_info)
+
+    passed = [limiter.filter(record()) for _ in range(1000)]
+    assert passed.count(True) == 1 and passed[0]
+    assert limiter.filter(record("another message"))  # other kinds are not held back
+    now[0] = 10.5
+    late = record()
+    assert limiter.filter(late)
+    assert "999 similar messages suppressed" in late.getMessage() and late.exc_info is None
