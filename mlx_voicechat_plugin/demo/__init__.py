@@ -1,7 +1,8 @@
-"""Demo checkpoints: small random-weight NemotronLabs VoiceChat checkpoints in the real layout.
+"""Demo checkpoints: random-weight NemotronLabs VoiceChat checkpoints in the real layout.
 
-``python -m mlx_voicechat_plugin.demo build OUT --preset tiny|small|medium [--bits 4|8]
-[--seed N]`` builds one; :func:`default_checkpoint` builds (once, cached) the tiny preset
+``python -m mlx_voicechat_plugin.demo build OUT --preset tiny|small|medium|real-layout|full
+[--bits 4|8] [--seed N]`` builds one (``real-layout``: the published depths and dimensions at
+tiny widths; ``full``: the published configuration at full size); :func:`default_checkpoint` builds (once, cached) the tiny preset
 that commands use when no ``--model`` is given.
 """
 
