@@ -72,8 +72,8 @@ def run_batched(model, tokenizer, inputs):
     tick = 0
     while tick == 0 or len(engine):
         for index, (samples, options, join) in enumerate(inputs):
-            if tick == join:
-                ids[index] = engine.open(options)
+            if tick == join:  # the prompt prefilled at once, so the sessions overlap in frames
+                ids[index] = engine.open(options, incremental_prefill=False)
             if index in ids and ids[index] in engine.session_ids:
                 offset = (tick - join) * FRAME
                 if offset < len(samples):
@@ -157,7 +157,7 @@ def test_cancel_and_flush_without_padding_leave_the_others_alone(models, inputs)
     ours, tokenizer, *_ = models("tiny")
     (samples, options, _), *_ = inputs
     engine = BatchedEngine(ours, tokenizer)
-    kept, cancelled, unpadded = (engine.open(options) for _ in range(3))
+    kept, cancelled, unpadded = (engine.open(options, incremental_prefill=False) for _ in range(3))
     events = []
     for index in range(4):
         chunk = samples[index * FRAME : (index + 1) * FRAME]
@@ -184,7 +184,7 @@ def test_limit_error_and_failure_stay_with_their_session(models, inputs):
     ours, tokenizer, *_ = models("tiny")
     (samples, options, _), *_ = inputs
     engine = BatchedEngine(ours, tokenizer)
-    healthy = engine.open(options)
+    healthy = engine.open(options, incremental_prefill=False)
     limited = engine.open(StreamingOptions(max_streaming_seconds=0.16))
     broken = engine.open()
 
@@ -275,3 +275,35 @@ def test_batched_equals_solo_on_mlx_own_operations(checkpoint):
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("identical"), done.stderr[-3000:]
+
+
+def test_a_joining_session_prefills_one_prompt_token_per_tick(models, inputs):
+    """The system prompt of a session that joins runs beside the others' frames, one token
+    per tick, and its audio waits for it; every session's events are still its solo run."""
+    ours, tokenizer, *_ = models("tiny")
+    (samples, options, _), *_ = inputs
+    samples = np.tile(samples, 8)
+    engine = BatchedEngine(ours, tokenizer)
+    running = engine.open(StreamingOptions(seed=5))  # no prompt: ready at once
+    joining = engine.open(options)
+    prompt = len(engine.session(joining)._helper.prompt_ids(options.system_prompt))
+    assert prompt > 3 and engine.prefilling(joining) and not engine.prefilling(running)
+    events = {running: [], joining: []}
+    engine.push_audio(joining, samples[: 2 * FRAME])  # buffered until the prompt is in
+    for tick in range(prompt + 2):
+        engine.push_audio(running, samples[tick * FRAME : (tick + 1) * FRAME])
+        results = engine.tick()
+        for session_id, result in results.items():
+            events[session_id] += result.events
+        assert len([e for e in results[running].events if e.kind == "audio"]) == 1
+        audio = [e for e in results[joining].events if e.kind == "audio"]
+        assert len(audio) == (1 if tick >= prompt else 0)
+    assert not engine.prefilling(joining)
+    for session_id in (running, joining):
+        engine.flush(session_id, pad_partial=False)
+    for result in engine.tick().values():
+        assert result.finished
+    alone = solo(ours, tokenizer, samples[: (prompt + 2) * FRAME], StreamingOptions(seed=5))
+    assert comparable(events[running]) == comparable(alone)[:-1]
+    alone = solo(ours, tokenizer, samples[: 2 * FRAME], options)
+    assert comparable(events[joining]) == comparable(alone)[:-1]

@@ -6,8 +6,10 @@ queue and await a one-shot reply (a ``concurrent.futures.Future``). The engine t
 drains every queued command, then runs one **tick**: each session with a frame ready
 advances by one 80 ms frame, all of them in one batched step; a ``push`` or ``flush`` is
 answered once its session has no complete frame left (a connection sends one 1280-sample
-slice per ``push``, so one tick answers it). The engine never waits for a socket: a slow
-client only delays its own next ``push``, and is dropped by its own send deadline.
+slice per ``push``, so one tick answers it); an ``open`` once the session's system prompt
+has been prefilled, one token per tick, so a joining session does not stall the others. The
+engine never waits for a socket: a slow client only delays its own next ``push``, and is
+dropped by its own send deadline.
 
 The engine serialises each event (base64 audio included) before replying, so the event
 loop only sends text. It also holds the ``max_sessions`` slots (1 by default: a second
@@ -257,7 +259,12 @@ class RealtimeEngine:
                 batch.open(options, session_id=session_id)
             except (ValueError, TypeError, StreamingError) as error:
                 return Reply(error=ProtocolError(SESSION_INITIALIZATION_FAILED, str(error)))
-            return Reply()
+            if not batch.prefilling(session_id):
+                return Reply()
+            # the system prompt runs one token per tick beside the other sessions' frames;
+            # session.updated is sent once it is done
+            self._waiting[session_id] = (command.future, [])
+            return None
         if command.kind == "close":
             if session_id in batch.session_ids:
                 batch.close(session_id)

@@ -15,6 +15,7 @@ it on its engine thread (``mlx_voicechat_plugin.server.engine``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -68,6 +69,7 @@ class _Slot:
     pending: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
     flushing: bool = False
     pad_partial: bool = True
+    prefill: list[int] = field(default_factory=list)  # system-prompt tokens still to run
 
 
 class BatchedEngine:
@@ -106,12 +108,22 @@ class BatchedEngine:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def open(self, options: StreamingOptions | None = None, session_id: str | None = None):
-        """Create a session (EAR-TTS warm-up and system-prompt prefill run now).
+    def open(
+        self,
+        options: StreamingOptions | None = None,
+        session_id: str | None = None,
+        *,
+        incremental_prefill: bool = True,
+    ):
+        """Create a session (its EAR-TTS warm-up runs now).
 
         Args:
             options: its :class:`~..streaming.StreamingOptions` (defaults when None).
             session_id: its id (default ``"session-<n>"``); must not be open already.
+            incremental_prefill: run the system prompt one token per tick (the session is
+                :meth:`prefilling` until done; its audio waits), so a joining session never
+                stalls the others for its whole prompt; False prefills it now, as
+                ``StreamingSession`` does. The events are the same either way.
 
         Returns:
             The session id.
@@ -127,9 +139,21 @@ class BatchedEngine:
             session_id = f"session-{next(self._ids)}"
         if session_id in self._slots:
             raise ValueError(f"session {session_id!r} is already open")
-        session = self.model.create_streaming_session(options, processor=self.tokenizer)
-        self._slots[session_id] = _Slot(session)
+        options = options or StreamingOptions()
+        if not incremental_prefill:
+            session = self.model.create_streaming_session(options, processor=self.tokenizer)
+            self._slots[session_id] = _Slot(session)
+            return session_id
+        quiet = dataclasses.replace(options, system_prompt="")  # blank: no prefill yet
+        session = self.model.create_streaming_session(quiet, processor=self.tokenizer)
+        prompt = session._helper.prompt_ids(options.system_prompt)  # validates the prompt
+        session.options = options
+        self._slots[session_id] = _Slot(session, prefill=list(prompt))
         return session_id
+
+    def prefilling(self, session_id: str) -> bool:
+        """True while ``session_id``'s system prompt is still being prefilled."""
+        return bool(self._slot(session_id).prefill)
 
     def session(self, session_id: str):
         """The :class:`~..streaming.StreamingSession` holding ``session_id``'s state."""
@@ -158,7 +182,7 @@ class BatchedEngine:
     def ready(self, session_id: str) -> bool:
         """True when the next tick will advance or finish ``session_id``."""
         slot = self._slot(session_id)
-        return slot.flushing or slot.pending.shape[0] >= self.frame_samples
+        return bool(slot.prefill) or slot.flushing or slot.pending.shape[0] >= self.frame_samples
 
     @property
     def has_work(self) -> bool:
@@ -198,7 +222,8 @@ class BatchedEngine:
 
     # ------------------------------------------------------------------ ticking
     def tick(self) -> dict[str, TickResult]:
-        """Advance every ready session by one frame, batched; finish flushed sessions.
+        """Advance every ready session by one frame, batched; run one system-prompt token of
+        each prefilling session; finish flushed sessions.
 
         Returns:
             ``{session_id: TickResult}`` for every session the tick touched.
@@ -206,11 +231,14 @@ class BatchedEngine:
         self._check_thread()
         results: dict[str, TickResult] = {}
         stepping: list[tuple[str, _Slot, np.ndarray]] = []
+        start = time.perf_counter()
         for session_id, slot in list(self._slots.items()):
+            if slot.prefill:
+                self._prefill_one(session_id, slot, results)
+                continue
             frame = self._take_frame(session_id, slot, results)
             if frame is not None:
                 stepping.append((session_id, slot, frame))
-        start = time.perf_counter()
         groups = [[item] for item in stepping if not batchable(item[1].session)]
         batched = [item for item in stepping if batchable(item[1].session)]
         if batched:
@@ -233,10 +261,12 @@ class BatchedEngine:
                     continue
                 results.setdefault(session_id, TickResult()).events.extend(events)
                 self.frames_processed += 1
-        if stepping:
+        if stepping or results:
             self.last_tick_seconds = time.perf_counter() - start
         for session_id, slot in list(self._slots.items()):
             left = slot.pending.shape[0]
+            if slot.prefill:
+                continue
             if slot.flushing and (left == 0 or (left < self.frame_samples and not slot.pad_partial)):
                 session = slot.session
                 session._close()
@@ -245,6 +275,21 @@ class BatchedEngine:
                 result.events.append(Done(frame_index=session.frame_index))
                 result.finished = True
         return results
+
+    def _prefill_one(self, session_id: str, slot: _Slot, results: dict) -> None:
+        """Run the next system-prompt token (``StreamingSession._prefill`` of one token,
+        under the session's RNG key, as its constructor does)."""
+        session = slot.session
+        token = slot.prefill.pop(0)
+        try:
+            with session._rng.active():
+                session._prefill([token])
+        except Exception as error:  # noqa: BLE001 - reported for this session only
+            session._fail(error)
+            del self._slots[session_id]
+            results[session_id] = TickResult(error=error, finished=True)
+            return
+        results.setdefault(session_id, TickResult())
 
     def _take_frame(self, session_id: str, slot: _Slot, results: dict) -> np.ndarray | None:
         """The slot's next frame (removed from its buffer), or None; a frame past the
