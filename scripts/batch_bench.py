@@ -59,7 +59,8 @@ def run(model, tokenizer, sessions: int, frames: int, warmup: int):
     mx.eval(mx.zeros(1))
     mx.clear_cache()
     base = mx.get_active_memory()
-    ids = [engine.open(_options(index)) for index in range(sessions)]
+    # prompts prefilled at open: every timed tick is a frame tick
+    ids = [engine.open(_options(index), incremental_prefill=False) for index in range(sessions)]
     audio = [_audio(frames, index) for index in range(sessions)]
     events = {session_id: [] for session_id in ids}
     ticks, cpu = [], []
