@@ -29,6 +29,7 @@ from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram
 from mlx_vlm.models.nemotron_voicechat.session import VoiceChatSession
 
 from ..model.execution import execution_of
+from . import compiled
 from .audio_io import AudioInputError  # noqa: F401 - re-exported
 from .rng import SessionRNG
 from .transcript import greedy_transcript
@@ -147,6 +148,7 @@ class OfflineSession(VoiceChatSession):
         self.model = model
         self.tokenizer = tokenizer
         install_vocabulary(model, tokenizer)
+        compiled.install(model)  # MLX_VOICECHAT_COMPILE: fused static-shape blocks (GPU default)
 
     def _special_ids(self) -> set[int]:
         config = self.model.config
