@@ -60,3 +60,12 @@ def test_dry_run_runs_the_cpu_parts_without_the_bench(tmp_path):
     log = (tmp_path / "gpu-tests.log").read_text()
     if mx.default_device().type == mx.DeviceType.cpu:
         assert "skipped" in log and "failed" not in log
+
+
+def test_agreeing_prefix_counts_the_leading_equal_frames():
+    from .test_gpu import agreeing_prefix
+
+    assert agreeing_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert agreeing_prefix([(1, 2), (3, 4)], [(1, 2), (3, 4)]) == 2
+    assert agreeing_prefix([5], [6]) == 0
+    assert agreeing_prefix([], [1]) == 0
