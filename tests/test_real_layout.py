@@ -211,3 +211,29 @@ def test_pinning_cost_from_config_equals_what_loading_pins(real_layout, models):
 
     model = models("real-layout")[0]
     assert pinning_cost(_config(real_layout)) == model.pinning
+
+
+def test_fast_fill_replaces_large_weights_with_the_initialiser_spread(full_config):
+    from mlx_vlm.models.nemotron_voicechat import Model, ModelConfig
+
+    from mlx_voicechat_plugin.demo.presets import PRESETS as presets
+    from mlx_voicechat_plugin.demo.weights import fast_fill
+
+    config = config_for(presets["small"], 768, RNNT_PIECES[:256])
+
+    def filled(seed):
+        model = Model(ModelConfig.from_dict(config))
+        count = fast_fill(model, seed, min_size=1 << 15)
+        return count, dict(tree_flatten(model.parameters()))
+
+    count, params = filled(0)
+    assert count > 10
+    weight = params["stt_model.llm.layers.0.mixer.in_proj.weight"]
+    bound = 1 / math.sqrt(weight.shape[1])
+    assert float(mx.abs(weight).max()) <= bound * (1 + 1e-6)
+    assert abs(float(mx.std(weight)) - bound / math.sqrt(3)) < 0.05 * bound
+    embedding = params["stt_model.embed_tokens.weight"]
+    assert abs(float(mx.std(embedding)) * math.sqrt(embedding.shape[1]) - 1) < 0.05
+    again = filled(0)[1]["stt_model.llm.layers.0.mixer.in_proj.weight"]
+    other = filled(1)[1]["stt_model.llm.layers.0.mixer.in_proj.weight"]
+    assert mx.array_equal(weight, again).item() and not mx.array_equal(weight, other).item()

@@ -78,15 +78,14 @@ def fast_fill(model, seed: int = 0, min_size: int = 1 << 22) -> int:
 
     Args:
         model: an upstream module tree with lazy (not yet computed) parameters.
-        seed: seed of the offsets and signs (numpy).
+        seed: seed of the block, offsets and signs (numpy; the same seed gives the same values).
         min_size: smallest tensor replaced.
 
     Returns:
         The number of tensors replaced.
     """
     generator = np.random.default_rng(seed)
-    block = mx.random.uniform(low=-1.0, high=1.0, shape=(FAST_FILL_BLOCK,))
-    mx.eval(block)
+    block = mx.array(generator.uniform(-1.0, 1.0, FAST_FILL_BLOCK).astype(np.float32))
     updates = []
     for key, value in tree_flatten(model.parameters()):
         if value.ndim != 2 or value.size < min_size or not mx.issubdtype(value.dtype, mx.floating):
