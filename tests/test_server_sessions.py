@@ -187,3 +187,32 @@ def test_serve_accepts_max_sessions():
     for bad in ("0", "-1", "two"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--max-sessions", bad])
+
+
+def test_a_caller_that_stops_waiting_does_not_break_the_engine(multi, clips):
+    """A push whose awaiting task is cancelled (a dropped connection) and then closed leaves
+    the engine serving: no answer to a cancelled future, no tick spinning for it."""
+    import asyncio
+
+    from mlx_voicechat_plugin.server.protocol import SessionConfig
+
+    engine = multi.engine
+
+    async def scenario():
+        config = SessionConfig(system_prompt=None, seed=0, max_streaming_seconds=None)
+        for attempt in range(3):
+            session_id = f"sess_cancelled{attempt}"
+            assert (await engine.call("open", session_id, config=config)).error is None
+            task = asyncio.ensure_future(engine.call("push", session_id, samples=clips[0][:FRAME]))
+            await asyncio.sleep(attempt * 0.01)
+            task.cancel()
+            assert (await engine.call("close", session_id)).error is None
+
+    asyncio.run(scenario())
+    assert engine.alive
+    with multi.connect() as client:
+        client.configure(seed=0)
+        client.send(append(clips[0][:FRAME]))
+        client.send({"type": "input_audio_buffer.commit"})
+        events, code = client.until_closed()
+    assert code == 1000 and events[-1]["type"] == "response.done"

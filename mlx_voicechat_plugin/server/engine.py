@@ -56,6 +56,16 @@ class _Command:
     future: concurrent.futures.Future
 
 
+def _resolve(future: concurrent.futures.Future, reply: Reply) -> None:
+    """Answer a command unless its caller gave up on it (a cancelled ``await``)."""
+    if future.done():
+        return
+    try:
+        future.set_result(reply)
+    except concurrent.futures.InvalidStateError:  # cancelled meanwhile by the event loop
+        pass
+
+
 def _error_reply(events: list[dict], error: BaseException) -> Reply:
     from ..runtime.streaming import StreamingError
 
@@ -194,7 +204,7 @@ class RealtimeEngine:
             logger.exception("realtime command %s failed", command.kind)
             reply = Reply(error=ProtocolError(INFERENCE_ERROR, f"model failure: {error}"))
         if reply is not None:
-            command.future.set_result(reply)
+            _resolve(command.future, reply)
 
     def _tick(self) -> None:
         batch = self._batch
@@ -206,7 +216,7 @@ class RealtimeEngine:
             for session_id in list(self._waiting):
                 batch.close(session_id)
                 future, events = self._waiting.pop(session_id)
-                future.set_result(_error_reply(events, error))
+                _resolve(future, _error_reply(events, error))
             return
         frames = batch.frames_processed - before
         if frames:
@@ -219,10 +229,13 @@ class RealtimeEngine:
             events.extend(serialize_event(event) for event in result.events)
             if result.error is not None:
                 del self._waiting[session_id]
-                future.set_result(_error_reply(events, result.error))
+                _resolve(future, _error_reply(events, result.error))
             elif result.finished or not batch.ready(session_id):
                 del self._waiting[session_id]
-                future.set_result(Reply(events=events))
+                _resolve(future, Reply(events=events))
+        for session_id in [waiting for waiting in self._waiting if waiting not in batch.session_ids]:
+            future, events = self._waiting.pop(session_id)  # closed meanwhile: never ticks again
+            _resolve(future, Reply(events=events, error=ProtocolError(INFERENCE_ERROR, "the session was closed")))
         if not len(batch):
             self._clear_cache()
 
@@ -230,7 +243,7 @@ class RealtimeEngine:
         for session_id in self._batch.session_ids:
             self._batch.close(session_id)
         for future, events in self._waiting.values():
-            future.set_result(Reply(events=events, error=ProtocolError(INFERENCE_ERROR, "the server is shutting down")))
+            _resolve(future, Reply(events=events, error=ProtocolError(INFERENCE_ERROR, "the server is shutting down")))
         self._waiting.clear()
         self._clear_cache()
 
@@ -266,6 +279,9 @@ class RealtimeEngine:
             self._waiting[session_id] = (command.future, [])
             return None
         if command.kind == "close":
+            waiting = self._waiting.pop(session_id, None)
+            if waiting is not None:  # its caller stopped waiting (cancelled) and closes it
+                _resolve(waiting[0], Reply(events=waiting[1], error=ProtocolError(INFERENCE_ERROR, "the session was closed")))
             if session_id in batch.session_ids:
                 batch.close(session_id)
                 if not len(batch):
