@@ -195,7 +195,14 @@ class RealtimeEngine:
                     return
                 self._handle(command)
             if self._waiting:
-                self._tick()
+                try:
+                    self._tick()
+                except Exception as error:  # noqa: BLE001 - the engine thread must survive
+                    logger.exception("realtime tick bookkeeping failed")
+                    for session_id in list(self._waiting):
+                        self._batch.close(session_id)
+                        future, events = self._waiting.pop(session_id)
+                        _resolve(future, _error_reply(events, error))
 
     def _handle(self, command: _Command) -> None:
         try:
