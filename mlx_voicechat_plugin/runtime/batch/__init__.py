@@ -2,10 +2,13 @@
 
 :class:`BatchedEngine` holds N streaming sessions and, on every :meth:`~BatchedEngine.tick`,
 advances each session that has a frame ready by one 80 ms frame in one batched step
-(:mod:`.frame`): the language model (:mod:`.language`), EAR-TTS with its guidance batch
-(:mod:`.speech`) and the codec (:mod:`.codec`) run once over the sessions' stacked rows,
-with per-session caches (encoder attention window, Mamba state, KV caches of different
-lengths), RNG keys, limits and errors.
+(:mod:`.frame`): the FastConformer layers (:mod:`.perception`), the language model
+(:mod:`.language`), EAR-TTS with its guidance batch (:mod:`.speech`) and the codec
+(:mod:`.codec`) run once over the sessions' stacked rows, with per-session caches (encoder
+attention window, Mamba state, KV caches of different lengths, codec overlap), RNG keys,
+limits and errors. The log-mel front end, the RNNT decode and each attention over a
+session's own cache run per session; a joining session's system prompt runs one token per
+tick.
 
 Row exactness: a session's events equal its solo run bit for bit (ids, codes, audio), which
 holds because every row-wise operation computes each row as a one-row call does: products
