@@ -10,6 +10,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from mlx_voicechat_plugin.server.security import host_allowed, origin_allowed
 from mlx_voicechat_plugin.server.transport_guards import PONG_BACKLOG_BYTES
@@ -310,3 +311,12 @@ def test_repeated_accept_errors_are_logged_once_per_interval():
     late = record()
     assert limiter.filter(late)
     assert "999 similar messages suppressed" in late.getMessage() and late.exc_info is None
+
+
+@pytest.mark.parametrize("seconds", [1e-320, 0.079])
+def test_streaming_options_refuse_a_limit_below_one_frame(seconds):
+    from mlx_voicechat_plugin.runtime.streaming import StreamingOptions
+
+    with pytest.raises(ValueError, match=r"at least one 80 ms frame \(>= 0\.08\)"):
+        StreamingOptions(max_streaming_seconds=seconds)
+    assert StreamingOptions(max_streaming_seconds=0.08).max_frames() == 1
