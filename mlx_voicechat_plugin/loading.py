@@ -45,6 +45,11 @@ def resolve_checkpoint(model: str | Path) -> Path:
     return config.parent
 
 
+def _drop_root_records(record: logging.LogRecord) -> bool:
+    """Logger filter: keep no record logged directly on the root logger."""
+    return False
+
+
 def load_tokenizer(path: str | Path):
     """The checkpoint's text tokenizer (``transformers.AutoTokenizer``).
 
@@ -85,8 +90,11 @@ def load(model: str | Path, *, lazy: bool = False):
     from .model.errors import VoiceChatConfigError
 
     logging.getLogger("mlx_vlm").setLevel(logging.ERROR)
-    previous = logging.root.manager.disable
-    logging.disable(logging.ERROR)  # mlx-vlm logs advice for other model families on failure
+    # mlx-vlm logs advice for other model families on the root logger (``logging.error``)
+    # when loading fails: drop those records only, not our own loggers' (progress notes of
+    # the native kernel build, its fallback warning), as a global logging.disable would.
+    root = logging.getLogger()
+    root.addFilter(_drop_root_records)
     try:
         loaded = load_model(path, lazy=lazy)
     except VoiceChatConfigError:
@@ -96,7 +104,7 @@ def load(model: str | Path, *, lazy: bool = False):
     except Exception as error:  # noqa: BLE001 - any failure here means a broken checkpoint
         raise CheckpointError(f"{path}: could not load the checkpoint: {type(error).__name__}: {error}") from None
     finally:
-        logging.disable(previous)
+        root.removeFilter(_drop_root_records)
     try:
         tokenizer = load_tokenizer(path)
     except Exception as error:  # noqa: BLE001

@@ -261,3 +261,45 @@ def test_demo_checkpoints_are_recognised(tiny, tmp_path):
     other.mkdir()
     (other / "config.json").write_text("{}")
     assert not is_demo_checkpoint(other) and not is_demo_checkpoint(tmp_path / "missing")
+
+
+# --------------------------------------------------------------------------- first-run notes
+
+
+def test_progress_notes_reach_stderr_and_survive_loading(tiny, monkeypatch, capsys, caplog):
+    """The native kernel build says what it is doing (issue: a silent 12 s on the first run):
+    the progress logger prints on stderr once the commands enable it, and loading a
+    checkpoint no longer silences every logger (only mlx-vlm's root-logger advice)."""
+    import logging
+
+    from mlx_voicechat_plugin import loading, progress
+
+    seen = []
+
+    def fake_load_model(path, lazy=False):
+        progress.logger().info("[native] note during load")
+        logging.getLogger("mlx_voicechat_plugin.accel").warning("kept warning")
+        logging.error("mlx-vlm advice for other model families")
+        seen.append(path)
+        raise RuntimeError("stop here")
+
+    import mlx_vlm.utils
+
+    monkeypatch.setattr(mlx_vlm.utils, "load_model", fake_load_model)
+    progress.show_on_stderr()
+    progress.show_on_stderr()  # idempotent: one handler
+    try:
+        with pytest.raises(loading.CheckpointError):
+            loading.load(tiny)
+        err = capsys.readouterr().err
+        assert err.count("[native] note during load") == 1
+        messages = [record.getMessage() for record in caplog.records]
+        assert "kept warning" in messages  # our loggers still reach the root's handlers
+        assert "mlx-vlm advice for other model families" not in messages
+        assert logging.getLogger().filters == []  # the root filter is removed after loading
+    finally:
+        log = progress.logger()
+        for handler in list(log.handlers):
+            log.removeHandler(handler)
+        log.propagate = True
+        log.setLevel(logging.NOTSET)

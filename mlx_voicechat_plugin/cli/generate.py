@@ -213,6 +213,9 @@ def _run(args) -> int:
     system_prompt = _system_prompt(args)
     waveform, output, model_path = _inputs(args)
     from ..loading import load
+    from ..progress import show_on_stderr
+
+    show_on_stderr()  # the first run builds the native CPU kernels: say so while it happens
     from ..runtime.audio_io import write_wav_pcm16
 
     if model_path is None:

@@ -177,6 +177,10 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve", ha
         print(f"error: {error}", file=sys.stderr)
         return 2
 
+    from ..progress import show_on_stderr
+
+    show_on_stderr()  # the first load builds the native CPU kernels: say so while it happens
+
     def loader():
         from ..loading import load
 

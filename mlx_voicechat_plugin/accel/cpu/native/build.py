@@ -38,6 +38,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
@@ -371,7 +372,14 @@ def build(cache: Path | None = None, isa: str | None = None) -> Path:
         with open(directory / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not _intact(target):
+                from ....progress import logger as progress
+
+                started = time.monotonic()
+                progress().info(
+                    "[native] compiling the exact CPU kernels for this machine (%s variant; "
+                    "once per machine and MLX version, usually 10-30 s)...", inputs.get("isa", "default"))
                 _compile(inputs, target)
+                progress().info("[native] compiled in %.1f s", time.monotonic() - started)
                 target.with_name(target.name + ".sha256").write_text(_digest(target) + "\n")
     except OSError as error:
         raise BuildError(f"cannot build the native kernel in {directory}: {error}") from None

@@ -164,6 +164,10 @@ def decide(workloads: list[Workload], directory: Path | None, refresh: bool = Fa
                 return {k: Decision(k, bool(v["on"]), float(v["ratio"]), str(v["shapes"])) for k, v in cached.items()}
             except (KeyError, TypeError, ValueError):
                 pass
+    from ....progress import logger as progress
+
+    progress().info("[native] timing the kernels against MLX's operations on this model's shapes "
+                    "(once per machine and model shape set)...")
     decisions = measure(workloads)
     if path is not None:
         try:
