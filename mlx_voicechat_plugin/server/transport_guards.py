@@ -12,7 +12,11 @@ what it leaves open:
   stayed open forever). And a **connection cap**: a connection opened while
   ``max_connections`` are already open is answered ``503`` and closed at once, before it
   holds a file descriptor for long (``limit_concurrency`` only answers once a whole request
-  head arrived, and never for WebSocket upgrades).
+  head arrived, and never for WebSocket upgrades). **Request bodies** are bounded too (no
+  route takes one): the deadline runs until the body is complete as well, a declared
+  ``Content-Length`` over :data:`MAX_REQUEST_BODY_BYTES` is answered ``413`` without reading
+  it, and a connection whose request was answered before its body arrived is closed (uvicorn
+  kept it open while the body trickled in, one byte per keep-alive interval, forever).
 * :class:`GuardedWebSocketProtocol` -- a **bounded pong backlog**: a client that sends
   pings but never reads made uvicorn queue one pong per ping in the socket's write buffer;
   of the pings read at once only the latest is answered (RFC 6455 section 5.5.3 allows
@@ -34,6 +38,8 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
+#: Largest request body a request may declare (bytes): no route reads one; above, 413.
+MAX_REQUEST_BODY_BYTES = 64 * 1024
 #: Pongs are not queued while the socket's write buffer holds more than this (bytes).
 PONG_BACKLOG_BYTES = 64 * 1024
 #: After a close frame (ours or uvicorn's), the socket is aborted if still open this much later.
@@ -44,14 +50,49 @@ CLOSE_GOING_AWAY = 1001
 #: connection at once (no close handshake, unsent data discarded).
 ABORT_EXTENSION = "mlx_voicechat.transport.abort"
 
+#: h11 states of a request not yet wholly received (head, or body, still arriving).
+_RECEIVING = (h11.IDLE, h11.SEND_BODY)
+
 _BUSY_RESPONSE = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
     b"connection: close\r\ncontent-length: 33\r\n\r\ntoo many open connections; retry\r\n"
 )
 
+_TOO_LARGE_BODY = (
+    b'{"error":{"message":"request body too large: this server reads no request bodies",'
+    b'"type":"request_too_large"}}'
+)
+
+
+def _refuse_large_bodies(app, limit: int):
+    """ASGI wrapper: an HTTP request declaring a body over ``limit`` bytes gets 413 and
+    ``Connection: close`` before the application runs (the body is never read)."""
+
+    async def guarded(scope, receive, send):
+        if scope["type"] == "http":
+            declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
+            if int(declared or b"0") > limit:  # h11 has already refused malformed lengths
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 413,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(_TOO_LARGE_BODY)).encode()),
+                            (b"connection", b"close"),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": _TOO_LARGE_BODY})
+                return
+        await app(scope, receive, send)
+
+    return guarded
+
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a request-head deadline and a connection cap.
+    """uvicorn's h11 protocol with a request deadline (head and body), bounded request
+    bodies and a connection cap.
 
     Class attributes (set by :func:`protocol_classes`): ``header_timeout`` (seconds) and
     ``max_connections`` (open connections, HTTP and WebSocket together).
@@ -59,6 +100,11 @@ class GuardedH11Protocol(H11Protocol):
 
     header_timeout: float = 10.0
     max_connections: int = 64
+    max_body_bytes: int = MAX_REQUEST_BODY_BYTES
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.app = _refuse_large_bodies(self.app, self.max_body_bytes)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._head_timer: asyncio.TimerHandle | None = None
@@ -83,10 +129,18 @@ class GuardedH11Protocol(H11Protocol):
         if self._refused:
             return
         super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # a whole request head arrived
+        if self.conn.their_state not in _RECEIVING:  # a whole request (head and body) arrived
             self._disarm_head_deadline()
 
+    def handle_websocket_upgrade(self, event) -> None:
+        self._disarm_head_deadline()  # the WebSocket protocol takes the socket over
+        super().handle_websocket_upgrade(event)
+
     def on_response_complete(self) -> None:
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            # Answered before the request body arrived (no route reads one): do not wait
+            # for the rest -- a body trickled in byte by byte held the connection forever.
+            self.transport.close()
         super().on_response_complete()
         if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
             self._arm_head_deadline()  # the next request on this keep-alive connection
@@ -103,7 +157,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _head_deadline_passed(self) -> None:
         self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if self.conn.their_state in _RECEIVING and not self.transport.is_closing():
             self.transport.abort()
 
 

@@ -1,0 +1,106 @@
+"""Hostile-review findings on the realtime server's HTTP surface: slow or oversized request
+bodies (no route reads one). Each test fails without its guard."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from fastapi import Request
+
+from mlx_voicechat_plugin.server.transport_guards import MAX_REQUEST_BODY_BYTES
+
+from .test_server_support import ServerHandle, http, server_settings
+
+
+def _handle(tiny, engine, **overrides) -> ServerHandle:
+    return ServerHandle(server_settings(tiny, **overrides), engine)
+
+
+def _post_head(port: int, length: int, route: str = "/v1/chat/completions") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    head = f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n\r\nx"
+    sock.sendall(head.encode())
+    return sock
+
+
+def _answer_then_closed(sock: socket.socket, seconds: float) -> tuple[bytes, bool]:
+    """Everything the server sends until it closes (True) or ``seconds`` pass (False)."""
+    sock.settimeout(0.1)
+    received, deadline = b"", time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(4096)
+        except TimeoutError:
+            try:  # keep trickling the body, one byte at a time (the attack)
+                sock.sendall(b"x")
+            except OSError:
+                return received, True
+            continue
+        except OSError:
+            return received, True
+        if not chunk:
+            return received, True
+        received += chunk
+    return received, False
+
+
+def test_slow_request_bodies_do_not_hold_connection_slots(tiny, engine):
+    """/tmp/attack/a18: connections that declare a body and trickle it one byte at a time
+    held every slot (uvicorn cancels its keep-alive timer on every byte) and /health got
+    503. Now an oversized declared body is answered 413 at once, a small one is answered
+    (501) and the connection closed without waiting for the rest; /health keeps working."""
+    with _handle(tiny, engine, max_connections=6, header_timeout=30) as server:
+        huge = [_post_head(server.port, 100_000_000) for _ in range(3)]
+        small = [_post_head(server.port, 1000) for _ in range(3)]
+        start = time.monotonic()
+        results = [_answer_then_closed(sock, 5.0) for sock in huge + small]
+        elapsed = time.monotonic() - start
+        assert http("GET", server.http_url("/health"))[0] == 200
+        for sock in huge + small:
+            sock.close()
+    for answer, closed in results[:3]:
+        assert answer.startswith(b"HTTP/1.1 413"), answer
+        assert closed, "a connection declaring a 100 MB body is still open"
+    for answer, closed in results[3:]:
+        assert answer.startswith(b"HTTP/1.1 501"), answer
+        assert closed, "a connection trickling its body is still open after the response"
+    assert elapsed < 6, elapsed
+
+
+def test_small_bodies_and_keep_alive_still_work(tiny, engine):
+    """Not a regression test: a whole request with a small body is answered on a
+    connection that stays usable, and a body at the limit is not refused."""
+    import http.client
+
+    with _handle(tiny, engine) as server:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        connection.request("POST", "/v1/chat/completions", body=b'{"model": "x", "messages": []}')
+        first = connection.getresponse()
+        first.read()
+        connection.request("GET", "/health")
+        second = connection.getresponse()
+        second.read()
+        connection.close()
+        limit = _post_head(server.port, MAX_REQUEST_BODY_BYTES)
+        answer, _ = _answer_then_closed(limit, 3.0)
+        limit.close()
+    assert (first.status, second.status) == (501, 200)
+    assert answer.startswith(b"HTTP/1.1 501"), answer
+
+
+def test_request_deadline_covers_the_body(tiny, engine):
+    """The request deadline runs until the body is complete: an application that waits for
+    the body does not keep a trickling client's connection past ``header_timeout``."""
+    with _handle(tiny, engine, header_timeout=1.0) as server:
+        # A route that reads its body, added for this test only.
+        @server.app.post("/echo-body")
+        async def echo(request: Request):
+            return {"bytes": len(await request.body())}
+
+        sock = _post_head(server.port, 1000, route="/echo-body")
+        start = time.monotonic()
+        answer, closed = _answer_then_closed(sock, 5.0)
+        sock.close()
+    assert closed and answer == b"", answer
+    assert time.monotonic() - start < 3
