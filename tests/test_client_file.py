@@ -227,3 +227,58 @@ def test_module_entry_point_reports_refused_connection(question_16k_wav, tmp_pat
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0 and "cannot connect" in result.stderr
     assert "is the server running?" in result.stderr and "Traceback" not in result.stderr
+
+
+class HostileServer(ScriptedServer):
+    """``silent``: answers session.created, then never sends session.updated; ``flood``:
+    configures, then answers the first append with ``FLOOD`` audio deltas."""
+
+    FLOOD = 20000
+
+    async def _handler(self, ws):
+        import base64
+
+        await ws.send(json.dumps({"type": "session.created", "session": {"id": "sess_0000000000000000"}}))
+        await ws.recv()
+        if self.ending == "silent":
+            await asyncio.sleep(3600)
+        await ws.send(json.dumps({"type": "session.updated", "session": {"model": "fake"}}))
+        await ws.recv()
+        delta = base64.b64encode(bytes(2 * OUTPUT_FRAME_SAMPLES)).decode()
+        for index in range(self.FLOOD):
+            try:
+                await ws.send(json.dumps({"type": "response.audio.delta", "frame_index": index, "delta": delta}))
+            except Exception:  # noqa: BLE001 - the client gave up: the point of the test
+                return
+        await asyncio.sleep(3600)
+
+
+def test_audio_flood_fails_instead_of_filling_memory(question_16k_wav, tmp_path, capsys):  # noqa: F811
+    """/tmp/attack/a16: 200k audio deltas for a short question grew the client to 773 MiB;
+    more than one per input frame (plus a margin) now fails the turn with one line."""
+    with HostileServer("flood") as fake:
+        status = file_client.main([f"ws://127.0.0.1:{fake.port}/v1/realtime", str(question_16k_wav),
+                                   str(tmp_path / "a.wav"), "--quiet", "--receive-timeout", "20"])
+    _one_error_line(capsys, status, 1, "audio frames for this input")
+    assert not (tmp_path / "a.wav").exists()
+
+
+def test_receive_timeout_bounds_the_configure_wait(question_16k_wav, tmp_path, capsys):  # noqa: F811
+    """A server that never sends session.updated: --receive-timeout applies (it was a fixed
+    120 s)."""
+    import time
+
+    with HostileServer("silent") as fake:
+        start = time.monotonic()
+        status = file_client.main([f"ws://127.0.0.1:{fake.port}/v1/realtime", str(question_16k_wav),
+                                   str(tmp_path / "a.wav"), "--quiet", "--receive-timeout", "1"])
+        elapsed = time.monotonic() - start
+    _one_error_line(capsys, status, 1, "session.updated", "1 s")
+    assert elapsed < 10, elapsed
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_receive_timeout_must_be_positive_and_finite(value, question_16k_wav, tmp_path, capsys):  # noqa: F811
+    status = file_client.main(["ws://127.0.0.1:9/v1/realtime", str(question_16k_wav), str(tmp_path / "a.wav"),
+                               "--receive-timeout", value])
+    _one_error_line(capsys, status, 2, "--receive-timeout")

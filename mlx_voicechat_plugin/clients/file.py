@@ -43,7 +43,7 @@ from .protocol import (
     frames,
     pcm16_to_float,
 )
-from .session import Update, open_session, receive_until_closed
+from .session import EXTRA_AUDIO_FRAMES, Update, open_session, receive_until_closed
 
 #: Largest ``--extra-seconds`` (the server caps a session at 600 s of audio anyway).
 MAX_EXTRA_SECONDS = 600.0
@@ -76,7 +76,8 @@ def build_parser(prog: str = "mlx-voicechat-file-client") -> argparse.ArgumentPa
     parser.add_argument("--realtime", action="store_true",
                         help="pace the appends at one per 80 ms, like a microphone (default: as fast as possible)")
     parser.add_argument("--receive-timeout", type=float, default=120.0,
-                        help="give up when the server sends nothing for this many seconds (default 120)")
+                        help="give up when the server sends nothing for this many seconds, while "
+                             "configuring the session too (default 120)")
     parser.add_argument("--quiet", "-q", action="store_true", help="do not print the live transcript and answer")
     return parser
 
@@ -121,7 +122,10 @@ async def run_file_turn(
     Raises:
         ClientError: any failure (see :mod:`.errors`).
     """
-    socket, state = await open_session(url, system_prompt=system_prompt, seed=seed, api_key=api_key, origin=origin)
+    # --receive-timeout bounds every wait for the server, session.updated included.
+    socket, state = await open_session(
+        url, system_prompt=system_prompt, seed=seed, api_key=api_key, origin=origin, configure_timeout=receive_timeout
+    )
 
     async def send_all() -> None:
         started = time.monotonic()
@@ -134,7 +138,11 @@ async def run_file_turn(
         await socket.send(commit(pad_partial=True))
 
     sender = asyncio.create_task(send_all())
-    receiver = asyncio.create_task(receive_until_closed(socket, state, on_update, receive_timeout=receive_timeout))
+    # One audio delta per 80 ms input frame: a server sending far more is not kept in memory.
+    most = -(-samples.shape[0] // FRAME_SAMPLES) + EXTRA_AUDIO_FRAMES
+    receiver = asyncio.create_task(
+        receive_until_closed(socket, state, on_update, receive_timeout=receive_timeout, max_audio_frames=most)
+    )
     try:
         pending = {sender, receiver}
         while receiver in pending:
@@ -162,6 +170,8 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-file-clien
     try:
         if args.seed < 0:
             raise UsageError("--seed must be a non-negative integer")
+        if not (math.isfinite(args.receive_timeout) and args.receive_timeout > 0):
+            raise UsageError(f"--receive-timeout must be a positive number of seconds, got {args.receive_timeout:g}")
         url = normalize_url(args.url)
         try:
             output = check_wav_output_path(args.output)

@@ -22,6 +22,12 @@ Update = TextDelta | AudioDelta | None
 CONFIGURE_TIMEOUT = 120.0
 #: Seconds to wait for the close frame after ``response.done``.
 CLOSE_TIMEOUT = 10.0
+#: Most events a well-behaved server sends per input frame (one audio delta, up to three
+#: text deltas, room for the rest); :func:`receive_until_closed` bounds the total with it.
+EVENTS_PER_FRAME = 8
+#: Audio frames a server may send beyond one per input frame (2 s) before a client that
+#: knows its input length gives up (:func:`receive_until_closed`'s ``max_audio_frames``).
+EXTRA_AUDIO_FRAMES = 25
 
 
 async def _next(socket: RealtimeSocket, timeout: float, waiting_for: str) -> dict | None:
@@ -74,21 +80,39 @@ async def receive_until_closed(
     on_update: Callable[[Update], None] | None = None,
     *,
     receive_timeout: float = 120.0,
+    max_audio_frames: int | None = None,
 ) -> TurnState:
     """Apply events until the server closes; ``on_update`` sees every text / audio delta.
+
+    Args:
+        max_audio_frames: the most ``response.audio.delta`` events the input can produce
+            (one per 80 ms input frame, plus a margin); a server that sends more -- or more
+            than :data:`EVENTS_PER_FRAME` events per such frame -- is misbehaving, and the
+            turn fails instead of storing everything it sends. None: no bound.
 
     Raises:
         ServerBusy / ServerErrorEvent: an ``error`` event (the caller closes the socket).
         ConnectionLost: no event for ``receive_timeout`` seconds, a close other than 1000,
-            or a 1000 close before ``response.done`` / ``response.cancelled``.
+            a 1000 close before ``response.done`` / ``response.cancelled``, or more
+            events than ``max_audio_frames`` allows.
     """
+    max_events = None if max_audio_frames is None else EVENTS_PER_FRAME * max_audio_frames + 16
+    received = 0
     while True:
         timeout = CLOSE_TIMEOUT if state.finished else receive_timeout
         waiting = "close frame after response.done" if state.finished else "event"
         event = await _next(socket, timeout, waiting)
         if event is None:
             break
+        received += 1
+        if max_events is not None and received > max_events:
+            raise ConnectionLost(f"the server sent more than {max_events} events for this input; giving up")
         update = state.handle(event)
+        if max_audio_frames is not None and state.frames > max_audio_frames:
+            raise ConnectionLost(
+                f"the server sent more than {max_audio_frames} audio frames for this input "
+                "(one per 80 ms input frame expected); giving up"
+            )
         if on_update is not None and update is not None:
             on_update(update)
     if not state.finished:
