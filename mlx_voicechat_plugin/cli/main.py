@@ -15,7 +15,7 @@ NemotronLabs VoiceChat on MLX.
 commands:
   generate   answer one spoken question offline (text + speech); --stream for the online session
   serve      the realtime WebSocket server (/v1/realtime; needs the 'server' extra)
-  demo       build random-weight demo checkpoints (demo build OUT --preset tiny|small|medium)
+  demo       build random-weight demo checkpoints (demo build OUT --preset tiny|small|medium|real-layout|full)
 
 Run 'mlx-voicechat <command> --help' for a command's options. Without --model, generate uses
 the built-in tiny demo checkpoint. 'python -m mlx_voicechat_plugin.native' reports the native
@@ -34,8 +34,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return generate_main(rest)
     if command == "serve":
-        from ..server.cli import main as serve_main
-
+        try:  # Ctrl-C during the server's imports: one line, no traceback
+            from ..server.cli import main as serve_main
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
         return serve_main(rest)
     if command == "demo":
         from ..demo.__main__ import main as demo_main

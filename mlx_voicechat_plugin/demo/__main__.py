@@ -36,9 +36,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     build.add_argument(
         "--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
         help=f"model size (default {DEFAULT_PRESET}): tiny builds in about a second and is what "
-        "commands use without --model; small and medium are for benchmarks"
-        + ("; others: " + ", ".join(sorted(set(PRESETS) - {"tiny", "small", "medium"}))
-           if set(PRESETS) - {"tiny", "small", "medium"} else ""),
+        "commands use without --model; small and medium are for benchmarks; real-layout has the "
+        "published depths, head sizes, buffer dtypes and 131,072-token tokenizer at tiny widths; "
+        "full is the published 11B configuration (random weights, about 22 GB bf16, minutes to build)",
     )
     build.add_argument("--bits", type=int, choices=(4, 8), default=None,
                        help="quantize the LLM parts to 4 or 8 bits (default: bf16, unquantized)")
