@@ -117,3 +117,66 @@ def test_ctrl_c_during_an_offline_turn_exits_130(tiny, tmp_path):
     text = bytes(seen).decode(errors="replace")
     assert "interrupted" in text[-500:] and "terminate called" not in text
     assert not (tmp_path / "a.wav").exists()
+
+
+def _interrupt(command: list[str], *, after: float | None = None, marker: bytes | None = None):
+    """Start ``command``, send SIGINT ``after`` seconds or once ``marker`` is on stderr;
+    returns (exit status, seconds from the signal to the exit, stderr text)."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    seen = bytearray()
+    ready = threading.Event()
+
+    def read():
+        while chunk := process.stderr.read1(4096):
+            seen.extend(chunk)
+            if marker is not None and marker in seen:
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        if marker is not None:
+            assert ready.wait(60), bytes(seen).decode(errors="replace")
+        else:
+            time.sleep(after)
+        start = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        status = process.wait(30)
+        elapsed = time.monotonic() - start
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    reader.join(5)
+    return status, elapsed, bytes(seen).decode(errors="replace")
+
+
+def test_ctrl_c_while_the_server_starts_exits_130_at_once(tiny):
+    """Ctrl-C during the server's imports printed a KeyboardInterrupt traceback."""
+    command = [sys.executable, "-m", "mlx_voicechat_plugin.cli.main", "serve", "--model", str(tiny)]
+    status, elapsed, text = _interrupt(command + ["--port", str(_free_port())], after=0.5)
+    assert status == 130, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert elapsed < 3, elapsed
+
+
+def test_ctrl_c_while_the_checkpoint_loads_exits_130_without_waiting_for_the_load(tiny):
+    """Ctrl-C during the load joined the loading engine thread for up to 10 s (7.6-8.3 s
+    seen); now the process leaves at once (os._exit, the thread is never joined)."""
+    script = (
+        "import sys, time\n"
+        "import mlx_voicechat_plugin.loading as loading\n"
+        "real = loading.load\n"
+        "def slow(path):\n"
+        "    print('LOADING', file=sys.stderr, flush=True)\n"
+        "    time.sleep(30)\n"
+        "    return real(path)\n"
+        "loading.load = slow\n"
+        "from mlx_voicechat_plugin.server.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    command = [sys.executable, "-c", script, "--model", str(tiny), "--port", str(_free_port())]
+    status, elapsed, text = _interrupt(command, marker=b"LOADING")
+    assert status == 130, text
+    assert "interrupted while loading the checkpoint" in text and "Traceback" not in text, text
+    assert elapsed < 2.5, elapsed

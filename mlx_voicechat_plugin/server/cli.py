@@ -123,7 +123,23 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve", ha
     :func:`~..runtime.process_exit.exit_process` with the status (130 after Ctrl-C, 143
     after SIGTERM) unless ``hard_exit`` is False (tests calling it in-process): an
     interpreter finalising while MLX threads exist would abort (exit 134).
+
+    Ctrl-C at any moment -- importing, loading, starting, or a second one while shutting
+    down -- ends with one line and 130 at once: a thread still loading the checkpoint (inside
+    MLX) is neither joined nor left to the interpreter's finalisation.
     """
+    try:
+        return _serve(argv, prog, hard_exit)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        if hard_exit:
+            from ..runtime.process_exit import exit_process
+
+            exit_process(130)
+        return 130
+
+
+def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser(prog).parse_args(argv)  # unknown options: usage line + exit 2
@@ -189,8 +205,8 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve", ha
     from ..runtime.process_exit import exit_process
     from .serving import build_server
 
-    def finish(status: int) -> int:
-        engine.stop()
+    def finish(status: int, wait: bool = True) -> int:
+        engine.stop(timeout=10.0 if wait else 0.0)  # never wait on a load (it is in MLX)
         if hard_exit:
             exit_process(status)
         return status
@@ -203,7 +219,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve", ha
         return finish(EXIT_FAILURE)
     except KeyboardInterrupt:
         print("interrupted while loading the checkpoint", file=sys.stderr)
-        return finish(130)
+        return finish(130, wait=False)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     app = create_app(settings, engine)
     address = f"{_public_host(args.host)}:{args.port}"
