@@ -3,11 +3,14 @@ bodies (no route reads one). Each test fails without its guard."""
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 
+import pytest
 from fastapi import Request
 
+from mlx_voicechat_plugin.server.settings import ServerSettings
 from mlx_voicechat_plugin.server.transport_guards import MAX_REQUEST_BODY_BYTES
 
 from .test_server_support import ServerHandle, http, server_settings
@@ -104,3 +107,41 @@ def test_request_deadline_covers_the_body(tiny, engine):
         sock.close()
     assert closed and answer == b"", answer
     assert time.monotonic() - start < 3
+
+
+# ---------------------------------------------------------------------- settings
+@pytest.mark.parametrize("prefix", ["../x", "/a/../b", "./x", "/x/.", "..", "/a/./b"])
+def test_api_prefix_refuses_dot_segments(prefix):
+    with pytest.raises(ValueError, match="api_prefix"):
+        ServerSettings(model_id="m", api_prefix=prefix)
+    assert ServerSettings(model_id="m", api_prefix="/v1.2/.well-known..x").api_prefix == "/v1.2/.well-known..x"
+
+
+@pytest.mark.parametrize(
+    "name", ["send_timeout", "header_timeout", "idle_timeout", "session_update_timeout", "max_session_seconds"]
+)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 0.0, -1.0])
+def test_timeouts_must_be_positive_and_finite(name, value):
+    with pytest.raises(ValueError, match=name):
+        ServerSettings(model_id="m", **{name: value})
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("--send-timeout", "inf"), ("--send-timeout", "nan"), ("--header-timeout", "0"), ("--api-prefix", "../x")]
+)
+def test_serve_refuses_bad_settings_with_one_line_and_exit_2(tiny, option, value, capsys, monkeypatch):
+    from mlx_voicechat_plugin.server.cli import main
+    from mlx_voicechat_plugin.server.engine import RealtimeEngine
+
+    def no_load(self, timeout=None):
+        raise AssertionError("the settings were accepted")
+
+    monkeypatch.setattr(RealtimeEngine, "start", no_load)  # never serve if they are
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    status = main(["--model", str(tiny), "--port", str(port), f"{option}={value}"], hard_exit=False)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert status == 2, err
+    assert len(err) == 1 and err[0].startswith("error: "), err

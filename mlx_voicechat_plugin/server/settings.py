@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 #: Largest WebSocket message or frame accepted (bytes): about 24 s of base64 PCM16.
@@ -71,10 +72,13 @@ class ServerSettings:
         if prefix:
             import re
 
-            if not re.fullmatch(r"[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*", prefix):
+            segments = prefix.split("/")
+            if not re.fullmatch(r"[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*", prefix) or any(
+                segment in (".", "..") for segment in segments
+            ):
                 raise ValueError(
                     f"api_prefix {self.api_prefix!r} must be a URL path of letters, digits and ._~- "
-                    "segments, e.g. /voice"
+                    "segments (not . or ..), e.g. /voice"
                 )
             prefix = "/" + prefix
         object.__setattr__(self, "api_prefix", prefix)
@@ -86,8 +90,9 @@ class ServerSettings:
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer")
         for name in ("max_session_seconds", "session_update_timeout", "idle_timeout", "send_timeout", "header_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
         if self.max_message_bytes < 1024:
             raise ValueError("max_message_bytes must be at least 1024")
 
