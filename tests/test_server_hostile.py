@@ -145,3 +145,67 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2(tiny, option, value
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert status == 2, err
     assert len(err) == 1 and err[0].startswith("error: "), err
+
+
+# ---------------------------------------------------------------------- Host header
+@pytest.mark.parametrize(
+    "host",
+    ["[::1]evil.test", "[::1]:80evil.test", "[::1]@evil.test", "[127.0.0.1]", "[localhost]", "[::1",
+     "localhost:80x", "127.0.0.1:80:90x", "127.0.0.1 evil.test", "localhost:8080/evil.test"],
+)
+def test_malformed_host_headers_are_refused(host):
+    from mlx_voicechat_plugin.server.security import host_allowed
+
+    assert not host_allowed(host), host
+
+
+@pytest.mark.parametrize("host", ["[::1]", "[::1]:8080", "[::1]:", "127.0.0.1:8080", "LocalHost.:1", "app.localhost"])
+def test_well_formed_host_headers_are_accepted(host):
+    from mlx_voicechat_plugin.server.security import host_allowed
+
+    assert host_allowed(host), host
+
+
+# ---------------------------------------------------------------------- FIFO inputs
+@pytest.fixture
+def fifo(tmp_path):
+    """A FIFO; after 5 s a watchdog keeps opening and closing its write end, so a reader
+    blocked in ``open`` (the bug) gets EOF and the test fails instead of hanging."""
+    import os
+    import threading
+
+    path = tmp_path / "fifo.wav"
+    os.mkfifo(path)
+    stop = threading.Event()
+
+    def unblock():
+        if stop.wait(5):
+            return
+        while not stop.wait(0.1):
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # no reader waiting
+                pass
+
+    watchdog = threading.Thread(target=unblock, daemon=True)
+    watchdog.start()
+    yield path
+    stop.set()
+    watchdog.join(5)
+
+
+def test_generate_refuses_a_fifo_input(fifo, tmp_path, capsys):
+    """``generate --audio fifo.wav`` blocked forever opening the FIFO."""
+    from mlx_voicechat_plugin.cli.generate import main
+
+    status = main(["--audio", str(fifo), "--output-audio", str(tmp_path / "a.wav")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert status == 2 and len(err) == 1 and "not a regular file" in err[0], err
+
+
+def test_file_client_refuses_a_fifo_input(fifo, tmp_path, capsys):
+    from mlx_voicechat_plugin.clients import file as file_client
+
+    status = file_client.main(["ws://127.0.0.1:9/v1/realtime", str(fifo), str(tmp_path / "a.wav")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert status == 2 and len(err) == 1 and "not a regular file" in err[0], err

@@ -65,6 +65,8 @@ def read_audio(path: str | Path, sample_rate: int = 16_000, *, max_seconds: floa
         raise AudioInputError(f"{source}: no such file")
     if source.is_dir():
         raise AudioInputError(f"{source}: is a directory, not an audio file")
+    if not source.is_file():  # a FIFO, socket or device: reading it could block forever
+        raise AudioInputError(f"{source}: not a regular file (a FIFO, socket or device), not an audio file")
 
     def unreadable(error) -> AudioInputError:
         return AudioInputError(f"{source}: not a readable audio file (WAV, FLAC, OGG, AIFF): {error}")

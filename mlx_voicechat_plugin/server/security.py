@@ -31,13 +31,33 @@ BEARER_SUBPROTOCOL_PREFIX = "mlx-voicechat.bearer."
 
 def host_name(host: str) -> str:
     """The name part of a ``Host`` header value, lower case, without port or trailing dot
-    (``"[::1]:8080"`` -> ``"::1"``, ``"Example.test.:80"`` -> ``"example.test"``)."""
+    (``"[::1]:8080"`` -> ``"::1"``, ``"Example.test.:80"`` -> ``"example.test"``).
+
+    Parsed strictly: only ``:`` and digits may follow the name (or the ``]`` of a
+    bracketed IPv6 literal), and brackets hold an IPv6 address; anything else (e.g.
+    ``"[::1]evil.test"``) gives ``""``, which :func:`host_allowed` refuses.
+    """
+    import re
+
     host = host.strip().lower()
     if host.startswith("["):
-        return host[1 : host.find("]")] if "]" in host else host[1:]
-    if host.count(":") == 1:
-        host = host.partition(":")[0]
-    return host.rstrip(".")
+        end = host.find("]")
+        if end < 0:
+            return ""
+        name, rest = host[1:end], host[end + 1 :]
+        try:
+            if ipaddress.ip_address(name).version != 6:
+                return ""
+        except ValueError:
+            return ""
+    elif host.count(":") > 1:  # an unbracketed IPv6 literal: no port to split off
+        name, rest = host, ""
+    else:
+        name, colon, port = host.partition(":")
+        rest = colon + port
+    if rest and not re.fullmatch(r":[0-9]*", rest):
+        return ""
+    return name.rstrip(".")
 
 
 def host_allowed(host: str | None, allowed_hosts: tuple[str, ...] = ()) -> bool:
@@ -150,7 +170,7 @@ class HostGuardMiddleware:
             host = Headers(scope=scope).get("host")
             if not host_allowed(host, self.allowed_hosts):
                 message = (
-                    f"Host {host_name(host or '')[:100]!r} is not allowed (DNS rebinding guard); "
+                    f"Host {(host_name(host or '') or host or '')[:100]!r} is not allowed (DNS rebinding guard); "
                     "start the server with --allowed-hosts NAME to serve it under that name"
                 )
                 await JSONResponse({"error": {"message": message}}, status_code=403)(scope, receive, send)
