@@ -20,14 +20,29 @@ def logger() -> logging.Logger:
     return logging.getLogger(LOGGER)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a note is emitted (not when the handler was
+    made), like :data:`logging.lastResort`, so redirections made later are followed."""
+
+    def __init__(self):
+        super().__init__()
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):  # StreamHandler.__init__ assigns it; the property ignores it
+        pass
+
+
 def show_on_stderr() -> None:
     """Print progress notes to stderr as plain lines (idempotent)."""
     log = logger()
-    if any(getattr(handler, "_mlx_voicechat_progress", False) for handler in log.handlers):
+    if any(isinstance(handler, _StderrHandler) for handler in log.handlers):
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
-    handler._mlx_voicechat_progress = True
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False

@@ -65,8 +65,8 @@ def test_file_turn_reproduces_generate_stream(serve, question_16k_wav, generate_
     state = asyncio.run(file_client.run_file_turn(server.ws(), samples, system_prompt=SYSTEM_PROMPT, seed=0))
 
     assert state.phase == "done" and state.model == "tiny-demo"
-    # generate --stream prints the text deltas, then [user] and [function] lines.
-    expected = (state.spoken_text + "\n" if state.spoken_text else "") + f"[user] {state.transcript}\n"
+    # generate --stream prints the text deltas on an [assistant] line, then [user] and [function].
+    expected = (f"[assistant] {state.spoken_text}\n" if state.spoken_text else "") + f"[user] {state.transcript}\n"
     if state.function_text:
         expected += f"[function] {state.function_text}\n"
     assert reference_stdout == expected

@@ -234,6 +234,8 @@ def test_health_and_models(plain, tiny):
         "engine_alive": True,
         "session_slot": "free",
         "model": served_id(tiny),
+        "sessions_active": 0,
+        "sessions_max": 1,
     }
     with plain.connect() as client:
         client.created()

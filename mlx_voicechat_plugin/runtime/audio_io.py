@@ -34,7 +34,16 @@ READ_BLOCK_FRAMES = 1 << 18
 
 
 def _format_seconds(seconds: float) -> str:
-    return f"{seconds / 60:.1f} minutes" if seconds >= 120 else f"{seconds:.1f} s"
+    """A duration for messages: ``20 minutes``, ``20 min 1 s``, ``20 min 0.25 s`` (a file just
+    over a limit never reads as equal to it), ``3.5 s``."""
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    minutes = int(seconds // 60)
+    rest = seconds - 60 * minutes
+    if rest == 0:
+        return f"{minutes} minutes"
+    text = f"{rest:.2f}".rstrip("0").rstrip(".")
+    return f"{minutes} min {text if text != '0' else '<0.01'} s"
 
 
 def read_audio(path: str | Path, sample_rate: int = 16_000, *, max_seconds: float | None = None) -> np.ndarray:
