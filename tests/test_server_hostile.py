@@ -209,3 +209,36 @@ def test_file_client_refuses_a_fifo_input(fifo, tmp_path, capsys):
     status = file_client.main(["ws://127.0.0.1:9/v1/realtime", str(fifo), str(tmp_path / "a.wav")])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert status == 2 and len(err) == 1 and "not a regular file" in err[0], err
+
+
+# ---------------------------------------------------------------------- probe headroom
+def test_health_probes_are_answered_while_the_connection_cap_is_full(tiny, engine):
+    """Past --max-connections, PROBE_HEADROOM more connections serve /health and /ready only
+    (anything else 503), each closed after one answer or after PROBE_TIMEOUT; beyond the
+    headroom, 503 at once."""
+    from mlx_voicechat_plugin.server.transport_guards import PROBE_HEADROOM, PROBE_TIMEOUT
+
+    with _handle(tiny, engine, max_connections=3, header_timeout=30) as server:
+        held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+        time.sleep(0.2)
+        statuses = [http(method, server.http_url(route))[0]
+                    for method, route in (("GET", "/health"), ("HEAD", "/health"), ("GET", "/ready"))]
+        other = http("GET", server.http_url("/v1/models"))[0]
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(PROBE_HEADROOM)]
+        time.sleep(0.2)
+        beyond = socket.create_connection(("127.0.0.1", server.port))
+        beyond.settimeout(1)
+        refused_at_once = beyond.recv(4096)
+        start = time.monotonic()
+        idle_answers = []
+        for sock in idle:
+            sock.settimeout(PROBE_TIMEOUT + 3)
+            idle_answers.append(sock.recv(4096))
+        waited = time.monotonic() - start
+        for sock in held + idle + [beyond]:
+            sock.close()
+    assert statuses == [200, 200, 200], statuses
+    assert other == 503
+    assert refused_at_once.startswith(b"HTTP/1.1 503"), refused_at_once
+    assert all(answer.startswith(b"HTTP/1.1 503") for answer in idle_answers), idle_answers
+    assert waited < PROBE_TIMEOUT + 2, waited

@@ -22,7 +22,7 @@ import uvicorn
 
 from . import log_limit
 from .settings import ServerSettings
-from .transport_guards import protocol_classes
+from .transport_guards import PROBE_HEADROOM, protocol_classes
 
 #: Seconds uvicorn waits for the application's tasks after closing every connection.
 SHUTDOWN_TIMEOUT = 3
@@ -85,7 +85,8 @@ def build_server(app, settings: ServerSettings, *, host: str = "127.0.0.1", port
         host, port: where to listen (ignored when sockets are passed to ``run``).
         overrides: other ``uvicorn.Config`` arguments (``log_level``, ``access_log`` ...).
     """
-    http, ws = protocol_classes(settings.header_timeout, settings.max_connections)
+    probes = (settings.path("/health"), settings.path("/ready"))  # answered past the cap too
+    http, ws = protocol_classes(settings.header_timeout, settings.max_connections, probes)
     options = dict(
         host=host,
         port=port,
@@ -97,7 +98,8 @@ def build_server(app, settings: ServerSettings, *, host: str = "127.0.0.1", port
         ws_ping_timeout=20.0,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
-        limit_concurrency=settings.max_connections + 1,  # the guard refuses first (at accept)
+        # the guard refuses first (at accept); past the cap it admits probes only
+        limit_concurrency=settings.max_connections + PROBE_HEADROOM + 1,
         timeout_graceful_shutdown=SHUTDOWN_TIMEOUT,
         server_header=False,
     )

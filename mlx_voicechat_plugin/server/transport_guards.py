@@ -12,7 +12,9 @@ what it leaves open:
   stayed open forever). And a **connection cap**: a connection opened while
   ``max_connections`` are already open is answered ``503`` and closed at once, before it
   holds a file descriptor for long (``limit_concurrency`` only answers once a whole request
-  head arrived, and never for WebSocket upgrades). **Request bodies** are bounded too (no
+  head arrived, and never for WebSocket upgrades) -- except :data:`PROBE_HEADROOM` more that
+  may only ask for the health-probe routes, so probes are answered while the cap is full.
+  **Request bodies** are bounded too (no
   route takes one): the deadline runs until the body is complete as well, a declared
   ``Content-Length`` over :data:`MAX_REQUEST_BODY_BYTES` is answered ``413`` without reading
   it, and a connection whose request was answered before its body arrived is closed (uvicorn
@@ -39,6 +41,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 #: Largest request body a request may declare (bytes): no route reads one; above, 413.
+#: Connections accepted beyond ``max_connections`` for health probes only (``probe_paths``).
+PROBE_HEADROOM = 4
+#: Seconds a probe-headroom connection has for its whole request (then 503 and closed).
+PROBE_TIMEOUT = 2.0
 MAX_REQUEST_BODY_BYTES = 64 * 1024
 #: Pongs are not queued while the socket's write buffer holds more than this (bytes).
 PONG_BACKLOG_BYTES = 64 * 1024
@@ -90,17 +96,41 @@ def _refuse_large_bodies(app, limit: int):
     return guarded
 
 
+def _probes_only(app, paths: frozenset[str]):
+    """ASGI wrapper for a probe-headroom connection: ``GET``/``HEAD`` of ``paths`` reach
+    ``app``; anything else is answered 503 (too many open connections) and closed."""
+
+    async def guarded(scope, receive, send):
+        if scope["type"] == "http" and scope["method"] in ("GET", "HEAD") and scope["path"] in paths:
+            await app(scope, receive, send)
+            return
+        body = _BUSY_RESPONSE.partition(b"\r\n\r\n")[2]
+        headers = [
+            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"connection", b"close"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return guarded
+
+
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a request deadline (head and body), bounded request
     bodies and a connection cap.
 
-    Class attributes (set by :func:`protocol_classes`): ``header_timeout`` (seconds) and
-    ``max_connections`` (open connections, HTTP and WebSocket together).
+    Class attributes (set by :func:`protocol_classes`): ``header_timeout`` (seconds),
+    ``max_connections`` (open connections, HTTP and WebSocket together) and ``probe_paths``
+    (health-probe routes: while the cap is full, up to :data:`PROBE_HEADROOM` more
+    connections are accepted for them only, each with :data:`PROBE_TIMEOUT` for its request,
+    closed after the answer).
     """
 
     header_timeout: float = 10.0
     max_connections: int = 64
     max_body_bytes: int = MAX_REQUEST_BODY_BYTES
+    probe_paths: frozenset[str] = frozenset()
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -108,7 +138,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._head_timer: asyncio.TimerHandle | None = None
-        if len(self.connections) >= self.max_connections:
+        opened = len(self.connections)
+        self._probe_only = opened >= self.max_connections
+        if self._probe_only and (not self.probe_paths or opened >= self.max_connections + PROBE_HEADROOM):
             # Refuse before registering: the socket is written to and closed at once.
             transport.write(_BUSY_RESPONSE)
             transport.close()
@@ -117,6 +149,8 @@ class GuardedH11Protocol(H11Protocol):
             return
         self._refused = False
         super().connection_made(transport)
+        if self._probe_only:  # headroom for health probes while the cap is full
+            self.app = _probes_only(self.app, self.probe_paths)
         self._arm_head_deadline()
 
     def connection_lost(self, exc) -> None:
@@ -134,6 +168,10 @@ class GuardedH11Protocol(H11Protocol):
 
     def handle_websocket_upgrade(self, event) -> None:
         self._disarm_head_deadline()  # the WebSocket protocol takes the socket over
+        if self._probe_only:  # probe headroom: no WebSocket past the cap
+            self.transport.write(_BUSY_RESPONSE)
+            self.transport.close()
+            return
         super().handle_websocket_upgrade(event)
 
     def on_response_complete(self) -> None:
@@ -141,13 +179,16 @@ class GuardedH11Protocol(H11Protocol):
             # Answered before the request body arrived (no route reads one): do not wait
             # for the rest -- a body trickled in byte by byte held the connection forever.
             self.transport.close()
+        elif self._probe_only and not self.transport.is_closing():
+            self.transport.close()  # a probe-headroom connection serves one request
         super().on_response_complete()
         if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
             self._arm_head_deadline()  # the next request on this keep-alive connection
 
     def _arm_head_deadline(self) -> None:
         self._disarm_head_deadline()
-        self._head_timer = self.loop.call_later(self.header_timeout, self._head_deadline_passed)
+        timeout = min(self.header_timeout, PROBE_TIMEOUT) if self._probe_only else self.header_timeout
+        self._head_timer = self.loop.call_later(timeout, self._head_deadline_passed)
 
     def _disarm_head_deadline(self) -> None:
         timer = getattr(self, "_head_timer", None)
@@ -158,6 +199,10 @@ class GuardedH11Protocol(H11Protocol):
     def _head_deadline_passed(self) -> None:
         self._head_timer = None
         if self.conn.their_state in _RECEIVING and not self.transport.is_closing():
+            if self._probe_only and self.conn.their_state is h11.IDLE:
+                self.transport.write(_BUSY_RESPONSE)  # past the cap: say why, then close
+                self.transport.close()
+                return
             self.transport.abort()
 
 
@@ -207,11 +252,16 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
             self.transport.abort()
 
 
-def protocol_classes(header_timeout: float, max_connections: int) -> tuple[type, type]:
-    """``(http, ws)`` protocol classes for ``uvicorn.Config`` with these limits bound."""
+def protocol_classes(header_timeout: float, max_connections: int, probe_paths=()) -> tuple[type, type]:
+    """``(http, ws)`` protocol classes for ``uvicorn.Config`` with these limits bound
+    (``probe_paths``: the health-probe routes served in the :data:`PROBE_HEADROOM`)."""
     http = type(
         "VoiceChatH11Protocol",
         (GuardedH11Protocol,),
-        {"header_timeout": float(header_timeout), "max_connections": int(max_connections)},
+        {
+            "header_timeout": float(header_timeout),
+            "max_connections": int(max_connections),
+            "probe_paths": frozenset(probe_paths),
+        },
     )
     return http, GuardedWebSocketProtocol
