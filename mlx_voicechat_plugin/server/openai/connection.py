@@ -12,11 +12,14 @@ each frame's model output goes through :class:`.timeline.Timeline`.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from .. import protocol
-from ..connection import Connection
-from . import session_config
+from ..connection import Connection, _Disconnected
+from ..log_limit import RateLimitFilter
+from . import fields, session_config
 from .audio import AudioFormatError, InputAudio
 from .errors import SERVER_ERROR, RealtimeError, error_event
 from .session_config import SessionConfig
@@ -26,7 +29,12 @@ FRAME_SAMPLES = protocol.FRAME_SAMPLES
 #: Silence the server feeds the model after ``response.create`` without turn detection (at
 #: most; the response usually ends first).
 MAX_FILL_SECONDS = 60.0
-_TEXT_CONTENT = {"input_text", "text", "output_text"}
+_TEXT_CONTENT = ("input_text", "text", "output_text")
+
+logger = logging.getLogger("mlx_voicechat_plugin.server.openai")
+# one traceback, then at most one line per interval: a client repeating an event that
+# trips a bug cannot flood the log
+logger.addFilter(RateLimitFilter())
 
 
 class OpenAIConnection(Connection):
@@ -41,6 +49,7 @@ class OpenAIConnection(Connection):
         self.opened = False
         self.prompt: str | None = None  # the system prompt in effect once opened
         self.prompt_items: list[str] = []
+        self.client_items = 0  # conversation.item.create events accepted (ids are kept)
         self.input = InputAudio(self.config.input_format)
         self.pending = np.zeros(0, np.float32)  # 16 kHz samples not yet a whole frame
 
@@ -79,15 +88,48 @@ class OpenAIConnection(Connection):
             await self.send(
                 error_event(error.code, error.message, param=error.param, event_id=client_event_id, error_type=error.error_type)
             )
+        except _Disconnected:
+            raise
+        except Exception as error:  # a bug must cost the client one event, never the connection
+            logger.error(
+                "unexpected error handling a client %s event (session %s); answered with an error event",
+                message["type"][:64],
+                self.session_id,
+                exc_info=True,
+            )
+            await self.send(
+                error_event(
+                    "server_error",
+                    f"the server could not handle this {message['type'][:64]} event ({type(error).__name__}); "
+                    "the connection stays open",
+                    event_id=client_event_id,
+                    error_type=SERVER_ERROR,
+                )
+            )
 
     async def _session_update(self, message: dict) -> None:
         config = session_config.apply_update(self.config, message.get("session"))
+        if not self.opened:
+            self._check_prompt(config.instructions, self.prompt_items, "session.instructions")
         if config.input_format != self.config.input_format:
             self.input = InputAudio(config.input_format)
         self.config = config
         self.timeline.config = config
         self.configured = True
         await self.send({"type": "session.updated", "session": self._session()})
+
+    @staticmethod
+    def _check_prompt(instructions: str | None, items: list[str], param: str) -> None:
+        """Refuse a prompt (``instructions`` + text items) over :data:`fields.MAX_PROMPT_CHARS`."""
+        parts = ([instructions] if instructions else []) + items
+        length = fields.prompt_length(parts)
+        if length > fields.MAX_PROMPT_CHARS:
+            raise RealtimeError(
+                "string_above_max_length",
+                f"the system prompt (instructions plus text items) would be {length} characters; at most "
+                f"{fields.MAX_PROMPT_CHARS} are allowed (the model's limit is {fields.MAX_PROMPT_TOKENS} tokens)",
+                param=param,
+            )
 
     def _prompt(self) -> str | None:
         parts = ([self.config.instructions] if self.config.instructions else []) + self.prompt_items
@@ -146,7 +188,7 @@ class OpenAIConnection(Connection):
             raise RealtimeError("invalid_value", "response must be an object", param="response")
         options: dict = {}
         for key, value in params.items():
-            param = f"response.{key}"
+            param = f"response.{fields.name(key)}"
             if key == "output_modalities":
                 if value is not None:
                     if not isinstance(value, list) or len(value) != 1 or value[0] not in ("audio", "text"):
@@ -155,14 +197,14 @@ class OpenAIConnection(Connection):
             elif key == "max_output_tokens":
                 options["max_output_tokens"] = session_config.max_output_tokens(value, param)
             elif key == "metadata":
-                if value is not None and not isinstance(value, dict):
-                    raise RealtimeError("invalid_value", "response.metadata must be an object", param=param)
-                options["metadata"] = value
+                options["metadata"] = fields.metadata(value, param)
             elif key == "conversation":
                 if value not in (None, "auto"):
                     raise RealtimeError("unsupported_parameter", 'only response.conversation "auto" is supported', param=param)
             elif key == "audio":
-                fmt = ((value or {}).get("output") or {}).get("format") if isinstance(value, dict) else None
+                audio = fields.obj(value, param, optional=True) or {}
+                output = fields.obj(audio.get("output"), f"{param}.output", optional=True) or {}
+                fmt = output.get("format")
                 if fmt is not None:
                     options["output_format"] = session_config.audio_format(fmt, f"{param}.output.format")
             elif key in ("tools", "input") and not value:
@@ -204,28 +246,43 @@ class OpenAIConnection(Connection):
         await self._send_all(self.timeline.cancel_response(response_id))
 
     async def _item_create(self, message: dict) -> None:
-        item = message.get("item")
-        if not isinstance(item, dict):
-            raise RealtimeError("invalid_value", "conversation.item.create needs an 'item' object", param="item")
+        item = fields.obj(message.get("item"), "item")
+        fields.string(item.get("type", "message"), "item.type")
         if item.get("type", "message") != "message":
             raise RealtimeError(
                 "unsupported_parameter", "only message items with text content are supported (no function calls here)", param="item.type"
             )
-        content = item.get("content")
-        if not isinstance(content, list) or not content:
+        item_id = fields.string(item.get("id"), "item.id", optional=True, max_chars=fields.MAX_ID_CHARS)
+        role = fields.choice(item.get("role"), "item.role", ("user", "assistant", "system"))
+        content = fields.array(item.get("content"), "item.content", max_items=fields.MAX_PROMPT_ITEMS)
+        if not content:
             raise RealtimeError("invalid_value", "item.content must be a non-empty list", param="item.content")
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in _TEXT_CONTENT or not isinstance(part.get("text"), str):
+        parts, texts = [], []
+        for index, part in enumerate(content):
+            param = f"item.content[{index}]"
+            part = fields.obj(part, param)
+            kind = part.get("type")
+            if not isinstance(kind, str) or kind not in _TEXT_CONTENT:
                 raise RealtimeError(
                     "unsupported_parameter", "only text content (input_text / text / output_text) can be added", param="item.content"
                 )
-            texts.append(part["text"])
-        if item.get("role") not in ("user", "assistant", "system"):
-            raise RealtimeError("invalid_value", "item.role must be user, assistant or system", param="item.role")
+            texts.append(fields.string(part.get("text"), f"{param}.text", max_chars=fields.MAX_PROMPT_CHARS))
+            # echoed as the GA part of the role (the beta's "text" is accepted on input)
+            parts.append({"type": "output_text" if role == "assistant" else "input_text", "text": texts[-1]})
+        if self.client_items >= fields.MAX_CLIENT_ITEMS:
+            raise RealtimeError("too_many_items", f"at most {fields.MAX_CLIENT_ITEMS} items can be created per connection", param="item")
         if not self.opened:
+            if len(self.prompt_items) >= fields.MAX_PROMPT_ITEMS:
+                raise RealtimeError(
+                    "too_many_items", f"at most {fields.MAX_PROMPT_ITEMS} text items can join the system prompt", param="item"
+                )
+            self._check_prompt(self.config.instructions, [*self.prompt_items, "\n".join(texts)], "item.content")
             self.prompt_items.append("\n".join(texts))
-        await self._send_all(self.timeline.add_text_item({k: v for k, v in item.items() if k in ("id", "type", "role", "content")}))
+        self.client_items += 1
+        created = {"type": "message", "role": role, "content": parts}
+        if item_id is not None:
+            created["id"] = item_id
+        await self._send_all(self.timeline.add_text_item(created))
 
     async def _truncate(self, message: dict) -> None:
         item_id, index, end = message.get("item_id"), message.get("content_index", 0), message.get("audio_end_ms")

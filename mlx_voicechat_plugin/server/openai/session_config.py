@@ -15,6 +15,7 @@ import copy
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from . import fields
 from .audio import FORMAT_RATES
 from .errors import RealtimeError
 
@@ -43,7 +44,7 @@ _INERT = {"tracing": ("auto",), "include": (), "truncation": ("auto", "disabled"
 
 
 def _fail(param: str, message: str, code: str = "invalid_value") -> RealtimeError:
-    return RealtimeError(code, message, param=param)
+    return fields.fail(param, message, code)
 
 
 def is_int(value: Any) -> bool:
@@ -98,15 +99,14 @@ def audio_format(value: Any, param: str) -> str:
     """
     if not isinstance(value, dict):
         raise _fail(param, f"{param} must be an object like {{\"type\": \"audio/pcm\", \"rate\": 24000}}")
-    kind = value.get("type", "audio/pcm")
-    if kind not in FORMAT_RATES:
-        raise _fail(f"{param}.type", f"{param}.type must be one of {sorted(FORMAT_RATES)}, got {str(kind)[:40]!r}")
+    kind = fields.choice(value.get("type", "audio/pcm"), f"{param}.type", sorted(FORMAT_RATES))
     rate = value.get("rate")
-    if rate is not None and rate != FORMAT_RATES[kind]:
+    if rate is not None and (not isinstance(rate, (int, float)) or isinstance(rate, bool) or rate != FORMAT_RATES[kind]):
         raise _fail(f"{param}.rate", f"{kind} is {FORMAT_RATES[kind]} Hz here, got rate {str(rate)[:20]}")
-    unknown = set(value) - {"type", "rate"}
+    unknown = sorted(set(value) - {"type", "rate"})
     if unknown:
-        raise _fail(f"{param}.{sorted(unknown)[0]}", f"unknown parameter {param}.{sorted(unknown)[0]}", "unknown_parameter")
+        key = fields.name(unknown[0])
+        raise _fail(f"{param}.{key}", f"unknown parameter {param}.{key}", "unknown_parameter")
     return kind
 
 
@@ -115,14 +115,13 @@ def _turn_detection(value: Any, param: str) -> dict | None:
         return None
     if not isinstance(value, dict):
         raise _fail(param, f"{param} must be an object or null")
-    kind = value.get("type", "server_vad")
-    if kind not in ("server_vad", "semantic_vad"):
-        raise _fail(f"{param}.type", f"{param}.type must be server_vad or semantic_vad, got {str(kind)[:40]!r}")
+    kind = fields.choice(value.get("type", "server_vad"), f"{param}.type", ("server_vad", "semantic_vad"))
     result = dict(SERVER_VAD_DEFAULTS if kind == "server_vad" else SEMANTIC_VAD_DEFAULTS)
     for key, item in value.items():
         if key == "type":
             continue
         if key not in result:
+            key = fields.name(key)
             raise _fail(f"{param}.{key}", f"unknown parameter {param}.{key} for {kind}", "unknown_parameter")
         if item is None:
             continue
@@ -136,8 +135,8 @@ def _turn_detection(value: Any, param: str) -> dict | None:
         elif key in ("create_response", "interrupt_response"):
             if not isinstance(item, bool):
                 raise _fail(f"{param}.{key}", f"{param}.{key} must be true or false")
-        elif key == "eagerness" and item not in EAGERNESS_SILENCE_MS:
-            raise _fail(f"{param}.eagerness", f"{param}.eagerness must be one of {sorted(EAGERNESS_SILENCE_MS)}")
+        elif key == "eagerness":
+            fields.choice(item, f"{param}.eagerness", sorted(EAGERNESS_SILENCE_MS))
         result[key] = item
     return result
 
@@ -155,16 +154,14 @@ def apply_update(config: SessionConfig, session: Any) -> SessionConfig:
         raise _fail("session", "session.update needs a 'session' object")
     changes: dict[str, Any] = {}
     for key, value in session.items():
-        param = f"session.{key}"
+        param = f"session.{fields.name(key)}"
         if key in _READ_ONLY or key == "model":
             continue  # the served checkpoint is always used; echoed fields are not settable
         if key == "type":
             if value != "realtime":
                 raise _fail(param, f"only realtime sessions are served here (session.type 'realtime'), got {str(value)[:40]!r}")
         elif key == "instructions":
-            if value is not None and not isinstance(value, str):
-                raise _fail(param, "session.instructions must be a string")
-            changes["instructions"] = value
+            changes["instructions"] = fields.string(value, param, optional=True, max_chars=fields.MAX_PROMPT_CHARS)
         elif key == "output_modalities":
             if value is None:
                 continue
@@ -196,39 +193,53 @@ def apply_update(config: SessionConfig, session: Any) -> SessionConfig:
 def _audio(audio: dict, changes: dict) -> None:
     for key in audio:
         if key not in ("input", "output"):
+            key = fields.name(key)
             raise _fail(f"session.audio.{key}", f"unknown parameter session.audio.{key}", "unknown_parameter")
-    source = audio.get("input") or {}
-    sink = audio.get("output") or {}
-    if not isinstance(source, dict) or not isinstance(sink, dict):
-        raise _fail("session.audio", "session.audio.input and session.audio.output must be objects")
+    source = fields.obj(audio.get("input"), "session.audio.input", optional=True) or {}
+    sink = fields.obj(audio.get("output"), "session.audio.output", optional=True) or {}
     for key, value in source.items():
-        param = f"session.audio.input.{key}"
+        param = f"session.audio.input.{fields.name(key)}"
         if key == "format":
             if value is not None:
                 changes["input_format"] = audio_format(value, param)
         elif key == "turn_detection":
             changes["turn_detection"] = _turn_detection(value, param)
         elif key == "transcription":
-            if value is not None and not isinstance(value, dict):
-                raise _fail(param, f"{param} must be an object or null")
-            changes["transcription"] = copy.deepcopy(value)
+            changes["transcription"] = _transcription(value, param)
         elif key == "noise_reduction":
             if value is not None:
                 raise _fail(param, "noise reduction is not supported (send null)", "unsupported_parameter")
         else:
             raise _fail(param, f"unknown parameter {param}", "unknown_parameter")
     for key, value in sink.items():
-        param = f"session.audio.output.{key}"
+        param = f"session.audio.output.{fields.name(key)}"
         if key == "format":
             if value is not None:
                 changes["output_format"] = audio_format(value, param)
         elif key == "voice":
             continue  # the checkpoint has one voice; the session object reports it
         elif key == "speed":
-            if value is not None and value != 1.0:
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value != 1.0):
                 raise _fail(param, "only speed 1.0 is supported", "unsupported_parameter")
         else:
             raise _fail(param, f"unknown parameter {param}", "unknown_parameter")
+
+
+#: GA transcription fields (echoed, not used) and their longest accepted value.
+_TRANSCRIPTION_FIELDS = {"model": fields.MAX_SHORT_CHARS, "language": fields.MAX_SHORT_CHARS, "prompt": fields.MAX_PROMPT_CHARS}
+
+
+def _transcription(value: Any, param: str) -> dict | None:
+    """GA ``transcription``: null, or an object of ``model`` / ``language`` / ``prompt`` strings."""
+    value = fields.obj(value, param, optional=True)
+    if value is None:
+        return None
+    for key, item in value.items():
+        if key not in _TRANSCRIPTION_FIELDS:
+            key = fields.name(key)
+            raise _fail(f"{param}.{key}", f"unknown parameter {param}.{key}", "unknown_parameter")
+        fields.string(item, f"{param}.{key}", optional=True, max_chars=_TRANSCRIPTION_FIELDS[key])
+    return copy.deepcopy(value)
 
 
 def max_output_tokens(value: Any, param: str) -> int | str:
