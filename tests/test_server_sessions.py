@@ -89,7 +89,10 @@ def test_sessions_joining_at_different_frames_equal_solo_runs(multi, models, cli
     frames = _metric(multi, "voicechat_frames_processed_total") - frames_before
     ticks = _metric(multi, "voicechat_tick_seconds_count") - ticks_before
     assert frames == 7 + 5 + 5
-    assert ticks < frames  # some ticks advanced several sessions at once
+    # Whether two sessions share a tick depends on when their appends reach the engine (a
+    # loaded machine may serve them one by one), so the server test only bounds the count;
+    # tests/test_batch_engine.py proves the batched width deterministically.
+    assert 0 < ticks <= frames
 
 
 def test_slots_health_ready_and_busy(multi, clips):
