@@ -233,12 +233,17 @@ def test_serve_banner_names_the_socket_and_the_page(tiny, tmp_path, monkeypatch)
     demo = tmp_path / "demo"
     shutil.copytree(tiny, demo)
     monkeypatch.setattr(serving.VoiceChatServer, "run", lambda self, sockets=None: None)
-    code, _, err = _in_process(server_cli.main, ["--model", str(demo), "--port", "18765",
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code, _, err = _in_process(server_cli.main, ["--model", str(demo), "--port", str(port),
                                                  "--host", "0.0.0.0", "--api-prefix", "/v"],
                                hard_exit=False)
     assert code == 0, err
-    assert "ws://localhost:18765/v/v1/realtime" in err
-    assert "http://localhost:18765/v/voicechat" in err
+    assert f"ws://localhost:{port}/v/v1/realtime" in err
+    assert f"http://localhost:{port}/v/voicechat" in err
     assert "random-weight demo checkpoint" in err
 
 

@@ -263,6 +263,8 @@ def test_serve_command_wires_settings_into_uvicorn(tiny, monkeypatch):
     argv = [
         "--model",
         str(tiny),
+        "--port",
+        str(_free_port()),  # the default 8080 may be taken on the test machine
         "--api-prefix",
         "voice",
         "--cors-origins",
@@ -283,7 +285,7 @@ def test_serve_command_wires_settings_into_uvicorn(tiny, monkeypatch):
     ) == (600.0, 30.0, 120.0)
     assert not captured["app"].state.engine.alive, "the engine stops when the server returns"
 
-    assert cli.main(["--model", str(tiny), "--alias", "served-name", "--api-key", "k"], hard_exit=False) == 0
+    assert cli.main(["--model", str(tiny), "--port", str(_free_port()), "--alias", "served-name", "--api-key", "k"], hard_exit=False) == 0
     assert captured["app"].state.settings.model_id == "served-name"
     assert captured["app"].state.settings.api_key == "k"
 
