@@ -29,4 +29,4 @@ bench: $(STAMP)
 		--json artifacts/bench.json --markdown docs/performance-results.md --plot docs/stage_times.png
 
 clean:
-	rm -rf $(VENV) answer.wav artifacts .pytest_cache
+	rm -rf $(VENV) answer.wav response.wav response_ws.wav demo-ckpt demo-small artifacts .pytest_cache .hypothesis

@@ -308,3 +308,13 @@ def test_progress_notes_reach_stderr_and_survive_loading(tiny, monkeypatch, caps
             log.removeHandler(handler)
         log.propagate = True
         log.setLevel(logging.NOTSET)
+
+
+def test_serve_checks_its_options_before_building_the_demo_checkpoint(tmp_path, monkeypatch):
+    """A bad option is reported before the (default) model is looked at or built."""
+    monkeypatch.setenv("MLX_VOICECHAT_CACHE", str(tmp_path / "cache"))
+    code, err, heavy = _subprocess_main(["serve", "--send-timeout", "0"], tmp_path)
+    assert code == EXIT_USAGE, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [lines[0]] and lines[0].startswith("error: --send-timeout "), err
+    assert not (tmp_path / "cache").exists() and heavy == []

@@ -145,6 +145,7 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2(tiny, option, value
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert status == 2, err
     assert len(err) == 1 and err[0].startswith("error: "), err
+    assert option in err[0], err  # named as typed, not as the settings field
 
 
 # ---------------------------------------------------------------------- Host header

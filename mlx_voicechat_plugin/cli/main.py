@@ -17,7 +17,7 @@ commands:
   serve      the realtime WebSocket server (/v1/realtime; needs the 'server' extra)
   demo       build random-weight demo checkpoints (demo build OUT --preset tiny|small|medium|real-layout|full)
 
-Run 'mlx-voicechat <command> --help' for a command's options. Without --model, generate uses
+Run 'mlx-voicechat <command> --help' for a command's options. Without --model, generate and serve use
 the built-in tiny demo checkpoint. 'python -m mlx_voicechat_plugin.native' reports the native
 CPU kernels."""
 

@@ -98,6 +98,21 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
+#: ServerSettings fields set by a command-line option of the same name.
+_OPTION_FIELDS = (
+    "api_prefix", "send_timeout", "header_timeout", "max_connections", "max_queued_messages",
+    "session_update_timeout", "idle_timeout", "max_session_seconds", "max_message_bytes",
+)
+
+
+def _option_spelling(message: str) -> str:
+    """A settings error as the user typed it: ``send_timeout`` becomes ``--send-timeout``."""
+    import re
+
+    pattern = r"(?<![-\w])(" + "|".join(_OPTION_FIELDS) + r")\b"
+    return re.sub(pattern, lambda match: "--" + match.group(1).replace("_", "-"), message)
+
+
 def _public_host(host: str) -> str:
     """The host to show in URLs: a wildcard bind address is reached as localhost."""
     if host in ("0.0.0.0", "::", ""):
@@ -150,6 +165,31 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
         print(note, file=sys.stderr)
     from ..checkpoint import default_model_id, is_demo_checkpoint
     from ..loading import CheckpointError, resolve_checkpoint
+    from .settings import ServerSettings
+
+    def make_settings(model_id: str, demo: bool) -> ServerSettings:
+        return ServerSettings(
+            model_id=model_id,
+            api_key=args.api_key or None,
+            api_prefix=args.api_prefix,
+            allowed_origins=tuple(_origins(args.cors_origins) + _origins(args.allowed_origins)),
+            max_message_bytes=args.max_message_bytes,
+            max_session_seconds=min(args.max_session_seconds, MAX_SESSION_SECONDS),
+            session_update_timeout=args.session_update_timeout,
+            idle_timeout=args.idle_timeout,
+            demo_checkpoint=demo,
+            allowed_hosts=tuple(_origins(args.allowed_hosts) + _bind_names(args.host)),
+            send_timeout=args.send_timeout,
+            max_queued_messages=args.max_queued_messages,
+            header_timeout=args.header_timeout,
+            max_connections=args.max_connections,
+        )
+
+    try:  # every option is checked before the model is looked at (or the demo one built)
+        make_settings(args.alias or "-", False)
+    except ValueError as error:
+        print(f"error: {_option_spelling(str(error))}", file=sys.stderr)
+        return EXIT_USAGE
 
     model_path = None
     if args.model is not None:
@@ -161,7 +201,6 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from .app import create_app
     from .engine import RealtimeEngine
-    from .settings import ServerSettings
 
     problem = _check_bind(args.host, args.port)
     if problem:
@@ -173,25 +212,11 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
         model_path = default_checkpoint()
         print(f"[model] built-in demo checkpoint (random weights): {model_path}", file=sys.stderr)
     try:
-        settings = ServerSettings(
-            model_id=args.alias or default_model_id(args.model, model_path),
-            api_key=args.api_key or None,
-            api_prefix=args.api_prefix,
-            allowed_origins=tuple(_origins(args.cors_origins) + _origins(args.allowed_origins)),
-            max_message_bytes=args.max_message_bytes,
-            max_session_seconds=min(args.max_session_seconds, MAX_SESSION_SECONDS),
-            session_update_timeout=args.session_update_timeout,
-            idle_timeout=args.idle_timeout,
-            demo_checkpoint=is_demo_checkpoint(model_path),
-            allowed_hosts=tuple(_origins(args.allowed_hosts) + _bind_names(args.host)),
-            send_timeout=args.send_timeout,
-            max_queued_messages=args.max_queued_messages,
-            header_timeout=args.header_timeout,
-            max_connections=args.max_connections,
-        )
+        settings = make_settings(args.alias or default_model_id(args.model, model_path),
+                                 is_demo_checkpoint(model_path))
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        print(f"error: {_option_spelling(str(error))}", file=sys.stderr)
+        return EXIT_USAGE
 
     from ..progress import show_on_stderr
 

@@ -164,11 +164,16 @@ def decide(workloads: list[Workload], directory: Path | None, refresh: bool = Fa
                 return {k: Decision(k, bool(v["on"]), float(v["ratio"]), str(v["shapes"])) for k, v in cached.items()}
             except (KeyError, TypeError, ValueError):
                 pass
+    import time
+
     from ....progress import logger as progress
 
     progress().info("[native] timing the kernels against MLX's operations on this model's shapes "
                     "(once per machine and model shape set)...")
+    started = time.monotonic()
     decisions = measure(workloads)
+    progress().info("[native] timed in %.1f s: %d of %d kernel families in use", time.monotonic() - started,
+                    sum(decision.on for decision in decisions.values()), len(decisions))
     if path is not None:
         try:
             with open(directory / ".decisions.lock", "w") as lock:
