@@ -25,25 +25,10 @@ from mlx_voicechat_plugin.runtime.streaming import (
 )
 
 from .conftest import SYSTEM_PROMPT
+from .test_streaming import _audio as audio_of  # events -> concatenated 22.05 kHz samples
+from .test_streaming import _comparable as comparable  # events as tuples, codes included
 
 FRAME = 1280
-
-
-def comparable(events):
-    """Events as plain tuples, audio codes included (samples compared separately)."""
-    rows = []
-    for event in events:
-        if event.kind == "audio":
-            rows.append(("audio", event.frame_index, tuple(int(c) for c in event.audio_codes)))
-        elif event.kind in ("done", "cancelled"):
-            rows.append((event.kind, event.frame_index))
-        else:
-            rows.append((event.kind, event.frame_index, getattr(event, "token_id", None), event.delta, event.text))
-    return rows
-
-
-def audio_of(events):
-    return np.concatenate([np.asarray(e.samples) for e in events if e.kind == "audio"])
 
 
 def solo(model, tokenizer, samples, options):
