@@ -34,11 +34,22 @@ def main(argv: list[str] | None = None) -> int:
 
         return generate_main(rest)
     if command == "serve":
-        try:  # Ctrl-C during the server's imports: one line, no traceback
+        import signal
+
+        from ..runtime.process_exit import Terminated, raise_on_sigterm
+
+        previous = raise_on_sigterm()
+        try:  # Ctrl-C (SIGTERM) during the server's imports: one line, no traceback, 130 (143)
             from ..server.cli import main as serve_main
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
+        except Terminated:
+            print("terminated", file=sys.stderr)
+            return 143
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         return serve_main(rest)
     if command == "demo":
         from ..demo.__main__ import main as demo_main

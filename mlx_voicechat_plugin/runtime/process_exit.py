@@ -45,3 +45,32 @@ def exit_process(status: int) -> NoReturn:
         except Exception:  # noqa: BLE001 - a closed pipe must not block the exit
             pass
     os._exit(status)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while :func:`raise_on_sigterm` was in effect.
+
+    A ``BaseException`` (like ``KeyboardInterrupt``) so that ``except Exception`` blocks on
+    the way -- checkpoint loading, imports -- do not swallow it.
+    """
+
+
+def _raise_terminated(_signum, _frame) -> None:
+    raise Terminated()
+
+
+def raise_on_sigterm():
+    """Make SIGTERM raise :class:`Terminated` on the main thread, as SIGINT raises
+    ``KeyboardInterrupt``; returns the previous handler (for ``signal.signal`` to restore).
+
+    Without it SIGTERM during a command's start-up (imports, checkpoint loading) ended the
+    process through the default action (killed by signal 15, shell status 143 but
+    ``returncode`` -15, no message, no cleanup). Only the main thread may install handlers:
+    elsewhere nothing changes and None is returned.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)

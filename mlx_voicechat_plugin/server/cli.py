@@ -141,17 +141,26 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve", ha
 
     Ctrl-C at any moment -- importing, loading, starting, or a second one while shutting
     down -- ends with one line and 130 at once: a thread still loading the checkpoint (inside
-    MLX) is neither joined nor left to the interpreter's finalisation.
+    MLX) is neither joined nor left to the interpreter's finalisation. SIGTERM does the same
+    with 143 (:func:`~..runtime.process_exit.raise_on_sigterm` until uvicorn runs; while it
+    runs, sessions are closed with 1001 first).
     """
+    import signal
+
+    from ..runtime.process_exit import Terminated, exit_process, raise_on_sigterm
+
+    previous = raise_on_sigterm()  # SIGTERM before uvicorn takes over: 143, like Ctrl-C's 130
     try:
         return _serve(argv, prog, hard_exit)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except (KeyboardInterrupt, Terminated) as stop:
+        status = 143 if isinstance(stop, Terminated) else 130
+        print("terminated" if status == 143 else "interrupted", file=sys.stderr)
         if hard_exit:
-            from ..runtime.process_exit import exit_process
-
-            exit_process(130)
-        return 130
+            exit_process(status)
+        return status
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
@@ -227,7 +236,7 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
 
         return load(model_path)
 
-    from ..runtime.process_exit import exit_process
+    from ..runtime.process_exit import Terminated, exit_process
     from .serving import build_server
 
     def finish(status: int, wait: bool = True) -> int:
@@ -242,9 +251,10 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return finish(EXIT_FAILURE)
-    except KeyboardInterrupt:
-        print("interrupted while loading the checkpoint", file=sys.stderr)
-        return finish(130, wait=False)
+    except (KeyboardInterrupt, Terminated) as stop:
+        status = 143 if isinstance(stop, Terminated) else 130
+        print(f"{'terminated' if status == 143 else 'interrupted'} while loading the checkpoint", file=sys.stderr)
+        return finish(status, wait=False)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     app = create_app(settings, engine)
     address = f"{_public_host(args.host)}:{args.port}"

@@ -1,0 +1,86 @@
+"""Issue #12 leftovers: SIGTERM while ``serve`` starts ended through the default action
+(``returncode`` -15, no message) instead of exiting 143 like the running server; Ctrl-C
+there gives 130. Each test fails without ``runtime.process_exit.raise_on_sigterm``."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from .test_signals import ENV, _free_port
+
+#: ``serve`` with a checkpoint load that says LOADING, then takes 30 s (the signal's window).
+SLOW_LOAD = (
+    "import sys, time\n"
+    "import mlx_voicechat_plugin.loading as loading\n"
+    "real = loading.load\n"
+    "def slow(path):\n"
+    "    print('LOADING', file=sys.stderr, flush=True)\n"
+    "    time.sleep(30)\n"
+    "    return real(path)\n"
+    "loading.load = slow\n"
+    "from mlx_voicechat_plugin.cli.main import main\n"
+    "sys.exit(main(['serve'] + sys.argv[1:]))\n"
+)
+
+
+def _signal_at(command: list[str], sig: int, marker: bytes) -> tuple[int, float, str]:
+    """Start ``command``, send ``sig`` once ``marker`` is on stderr; returns (returncode,
+    seconds from the signal to the exit, stderr)."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
+    seen, ready = bytearray(), threading.Event()
+
+    def read():
+        while chunk := process.stderr.read1(4096):
+            seen.extend(chunk)
+            if marker in seen:
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(60), bytes(seen).decode(errors="replace")
+        start = time.monotonic()
+        process.send_signal(sig)
+        status = process.wait(30)
+        elapsed = time.monotonic() - start
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    reader.join(5)
+    return status, elapsed, bytes(seen).decode(errors="replace")
+
+
+@pytest.mark.parametrize(
+    ("sig", "status", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+)
+def test_a_signal_while_the_checkpoint_loads_exits_with_the_serve_status(tiny, sig, status, word):
+    """SIGTERM during the load was -15 (default action); now 143 with one line, at once
+    (the loading thread is not waited for), as Ctrl-C gives 130."""
+    command = [sys.executable, "-c", SLOW_LOAD, "--model", str(tiny), "--port", str(_free_port())]
+    returncode, elapsed, text = _signal_at(command, sig, b"LOADING")
+    assert returncode == status, text
+    assert f"{word} while loading the checkpoint" in text and "Traceback" not in text, text
+    assert elapsed < 2.5, elapsed
+
+
+def test_sigterm_handler_is_restored_after_an_in_process_serve(monkeypatch):
+    """``main(hard_exit=False)`` (tests, embedding) leaves the caller's SIGTERM handler as
+    it found it."""
+    from mlx_voicechat_plugin.server import cli
+
+    def sentinel(_signum, _frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, sentinel)
+    try:
+        assert cli.main(["--max-connections", "0"], hard_exit=False) == 2
+        assert signal.getsignal(signal.SIGTERM) is sentinel
+    finally:
+        signal.signal(signal.SIGTERM, before)
