@@ -214,13 +214,26 @@ def test_file_client_refuses_a_fifo_input(fifo, tmp_path, capsys):
 
 # ---------------------------------------------------------------------- probe headroom
 def test_health_probes_are_answered_while_the_connection_cap_is_full(tiny, engine):
-    """Past --max-connections, PROBE_HEADROOM more connections serve /health and /ready only
-    (anything else 503), each closed after one answer or after PROBE_TIMEOUT; beyond the
-    headroom, 503 at once."""
+    """Past --max-connections (held by requests being answered), PROBE_HEADROOM more
+    connections serve /health and /ready only (anything else 503), each closed after one
+    answer or after PROBE_TIMEOUT; one more evicts the headroom connection that has waited
+    longest for its request (test_hardening_probes covers eviction)."""
+    import asyncio
+    import threading
+
     from mlx_voicechat_plugin.server.transport_guards import PROBE_HEADROOM, PROBE_TIMEOUT
 
+    release = threading.Event()
     with _handle(tiny, engine, max_connections=3, header_timeout=30) as server:
+        @server.app.get("/hold")  # a request answered only once the test releases it
+        async def hold():
+            while not release.is_set():
+                await asyncio.sleep(0.05)
+            return {}
+
         held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+        for sock in held:
+            sock.sendall(b"GET /hold HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         time.sleep(0.2)
         statuses = [http(method, server.http_url(route))[0]
                     for method, route in (("GET", "/health"), ("HEAD", "/health"), ("GET", "/ready"))]
@@ -228,18 +241,24 @@ def test_health_probes_are_answered_while_the_connection_cap_is_full(tiny, engin
         idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(PROBE_HEADROOM)]
         time.sleep(0.2)
         beyond = socket.create_connection(("127.0.0.1", server.port))
+        beyond.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         beyond.settimeout(1)
-        refused_at_once = beyond.recv(4096)
+        beyond_answer = beyond.recv(4096)
         start = time.monotonic()
         idle_answers = []
         for sock in idle:
             sock.settimeout(PROBE_TIMEOUT + 3)
-            idle_answers.append(sock.recv(4096))
+            try:
+                idle_answers.append(sock.recv(4096))
+            except ConnectionResetError:
+                idle_answers.append(None)  # evicted (aborted) for ``beyond``
         waited = time.monotonic() - start
+        release.set()
         for sock in held + idle + [beyond]:
             sock.close()
     assert statuses == [200, 200, 200], statuses
     assert other == 503
-    assert refused_at_once.startswith(b"HTTP/1.1 503"), refused_at_once
-    assert all(answer.startswith(b"HTTP/1.1 503") for answer in idle_answers), idle_answers
+    assert beyond_answer.startswith(b"HTTP/1.1 200"), beyond_answer
+    assert idle_answers[0] in (None, b""), idle_answers  # the oldest, evicted
+    assert all(answer.startswith(b"HTTP/1.1 503") for answer in idle_answers[1:]), idle_answers
     assert waited < PROBE_TIMEOUT + 2, waited

@@ -183,8 +183,30 @@ def test_half_sent_requests_are_closed_after_the_header_timeout(tiny, engine):
 
 
 def test_connections_beyond_the_cap_are_refused_and_health_recovers(tiny, engine):
+    """Every slot, probe headroom included, held by a request being answered (connections
+    still waiting for their request are evicted instead, test_hardening_probes): one more
+    is answered 503 at once."""
+    import asyncio
+
+    from fastapi.routing import APIRoute
+
+    from mlx_voicechat_plugin.server.transport_guards import PROBE_HEADROOM
+
+    release = threading.Event()
+
+    async def slow_ready():  # answered only once the test releases it
+        while not release.is_set():
+            await asyncio.sleep(0.05)
+        return {}
+
     with _handle(tiny, engine, max_connections=4, header_timeout=30) as server:
-        held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+        server.app.router.routes.insert(0, APIRoute("/ready", slow_ready, methods=["GET"]))
+        held = []
+        for _ in range(4 + PROBE_HEADROOM):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            sock.sendall(b"GET /ready HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            held.append(sock)
+            time.sleep(0.02)
         time.sleep(0.2)
         extra = socket.create_connection(("127.0.0.1", server.port))
         extra.settimeout(5)  # refused at once: before it sends anything
@@ -192,6 +214,7 @@ def test_connections_beyond_the_cap_are_refused_and_health_recovers(tiny, engine
         assert answer.startswith(b"HTTP/1.1 503"), answer
         assert _closed_within(extra, 5)
         extra.close()
+        release.set()
         for sock in held:
             sock.close()
         deadline = time.monotonic() + 5

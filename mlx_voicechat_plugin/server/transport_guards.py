@@ -14,6 +14,14 @@ what it leaves open:
   holds a file descriptor for long (``limit_concurrency`` only answers once a whole request
   head arrived, and never for WebSocket upgrades) -- except :data:`PROBE_HEADROOM` more that
   may only ask for the health-probe routes, so probes are answered while the cap is full.
+  **Eviction** keeps a flood of half-sent request heads (slowloris) from taking every
+  slot, probe headroom included, until their deadline: when a connection arrives while the
+  cap is full, the connection that has waited longest for its request (head or body, a
+  keep-alive connection between requests included) is aborted to make room, so only
+  connections that have sent a whole request (being answered, or WebSockets) can fill the
+  cap; the flood can only push out its own oldest members. The probe headroom is used only
+  while the cap is full of such connections, and when it is full too its own oldest
+  waiting connection makes room the same way.
   **Request bodies** are bounded too (no
   route takes one): the deadline runs until the body is complete as well, a declared
   ``Content-Length`` over :data:`MAX_REQUEST_BODY_BYTES` is answered ``413`` without reading
@@ -35,6 +43,8 @@ two classes handed to ``uvicorn.Config(http=..., ws=...)``.
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -55,6 +65,9 @@ CLOSE_GOING_AWAY = 1001
 #: ASGI scope extension: ``scope["extensions"][ABORT_EXTENSION]["abort"]()`` drops the TCP
 #: connection at once (no close handshake, unsent data discarded).
 ABORT_EXTENSION = "mlx_voicechat.transport.abort"
+
+#: Logger of eviction notes (rate-limited by :mod:`.log_limit`, like uvicorn's own).
+_LOG = logging.getLogger("uvicorn.error")
 
 #: h11 states of a request not yet wholly received (head, or body, still arriving).
 _RECEIVING = (h11.IDLE, h11.SEND_BODY)
@@ -124,13 +137,15 @@ class GuardedH11Protocol(H11Protocol):
     ``max_connections`` (open connections, HTTP and WebSocket together) and ``probe_paths``
     (health-probe routes: while the cap is full, up to :data:`PROBE_HEADROOM` more
     connections are accepted for them only, each with :data:`PROBE_TIMEOUT` for its request,
-    closed after the answer).
+    closed after the answer). ``awaiting`` (one per server, made by :func:`protocol_classes`)
+    orders the connections whose request deadline runs, oldest first: the eviction queue.
     """
 
     header_timeout: float = 10.0
     max_connections: int = 64
     max_body_bytes: int = MAX_REQUEST_BODY_BYTES
     probe_paths: frozenset[str] = frozenset()
+    awaiting: collections.OrderedDict = collections.OrderedDict()
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -139,8 +154,13 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._head_timer: asyncio.TimerHandle | None = None
         opened = len(self.connections)
+        if opened >= self.max_connections and self._evict_oldest_awaiting(probe_only=False):
+            opened -= 1  # a normal slot freed by the longest-waiting unfinished request
         self._probe_only = opened >= self.max_connections
-        if self._probe_only and (not self.probe_paths or opened >= self.max_connections + PROBE_HEADROOM):
+        headroom_full = opened >= self.max_connections + PROBE_HEADROOM
+        if self._probe_only and headroom_full and self.probe_paths and self._evict_oldest_awaiting(probe_only=True):
+            headroom_full = False  # a headroom slot freed the same way
+        if self._probe_only and (not self.probe_paths or headroom_full):
             # Refuse before registering: the socket is written to and closed at once.
             transport.write(_BUSY_RESPONSE)
             transport.close()
@@ -189,12 +209,33 @@ class GuardedH11Protocol(H11Protocol):
         self._disarm_head_deadline()
         timeout = min(self.header_timeout, PROBE_TIMEOUT) if self._probe_only else self.header_timeout
         self._head_timer = self.loop.call_later(timeout, self._head_deadline_passed)
+        self.awaiting[self] = None  # newest at the end: evicted last
 
     def _disarm_head_deadline(self) -> None:
+        self.awaiting.pop(self, None)
         timer = getattr(self, "_head_timer", None)
         if timer is not None:
             timer.cancel()
             self._head_timer = None
+
+    def _evict_oldest_awaiting(self, probe_only: bool) -> bool:
+        """Abort the connection that has waited longest for its request among those on a
+        normal slot (``probe_only`` False) or in the probe headroom (True); it leaves
+        ``connections`` now, its socket at once. False when none such is waiting."""
+        for victim in list(self.awaiting):
+            if victim._probe_only != probe_only:
+                continue
+            victim._disarm_head_deadline()
+            if victim.transport is None or victim.transport.is_closing():
+                continue  # already on its way out: it frees its slot by itself
+            self.connections.discard(victim)
+            victim.transport.abort()
+            _LOG.warning(
+                "connection cap (%d) reached: closed the connection waiting longest for its request",
+                self.max_connections,
+            )
+            return True
+        return False
 
     def _head_deadline_passed(self) -> None:
         self._head_timer = None
@@ -262,6 +303,7 @@ def protocol_classes(header_timeout: float, max_connections: int, probe_paths=()
             "header_timeout": float(header_timeout),
             "max_connections": int(max_connections),
             "probe_paths": frozenset(probe_paths),
+            "awaiting": collections.OrderedDict(),  # this server's eviction queue
         },
     )
     return http, GuardedWebSocketProtocol

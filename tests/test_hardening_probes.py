@@ -1,0 +1,84 @@
+"""Issue #12 leftovers: half-sent request heads (slowloris) filled every connection slot,
+the probe headroom included, until ``--header-timeout``; load-balancer probes got 503
+meanwhile. Now a connection arriving at a full cap evicts the one that has waited longest
+for its request (``transport_guards`` "Eviction"). Each test fails without it."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+
+from mlx_voicechat_plugin.server.transport_guards import PROBE_HEADROOM
+
+from .test_server_support import ServerHandle, append, http, server_settings
+
+HALF_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+
+
+def _half_sent(port: int, count: int) -> list[socket.socket]:
+    """``count`` connections that each send part of a request head and never finish it."""
+    socks = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(HALF_HEAD)
+        socks.append(sock)
+    return socks
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """True when the server has neither closed nor reset ``sock`` (nothing to read yet)."""
+    sock.settimeout(0.05)
+    try:
+        return sock.recv(4096) != b""  # an answer (503 ...) means it was served, not held
+    except TimeoutError:
+        return True
+    except OSError:
+        return False
+
+
+def test_probes_and_sessions_are_served_through_a_half_sent_header_flood(tiny, engine):
+    cap = 8
+    flood_size = cap + PROBE_HEADROOM + 6
+    settings = server_settings(tiny, max_connections=cap, header_timeout=30)
+    with ServerHandle(settings, engine) as server:
+        flood = _half_sent(server.port, flood_size)
+        time.sleep(0.3)  # every flood connection accepted (or refused) by now
+        answers = []
+        for route in ("/health", "/ready", "/health"):
+            start = time.monotonic()
+            status, _ = http("GET", server.http_url(route))
+            answers.append((route, status, time.monotonic() - start))
+        assert all(status == 200 and seconds < 1.0 for _, status, seconds in answers), answers
+        # A real session also gets a slot while the flood is still held (30 s deadline).
+        with server.connect() as client:
+            client.configure()
+            client.send(append(np.zeros(2 * 1280, dtype=np.float32)))
+            client.send({"type": "input_audio_buffer.commit"})
+            events, code = client.until_closed(timeout=60)
+        open_flood = sum(_still_open(sock) for sock in flood)
+        for sock in flood:
+            sock.close()
+    assert events[-1]["type"] == "response.done" and code == 1000, (events[-3:], code)
+    assert open_flood <= cap + PROBE_HEADROOM, open_flood
+
+
+def test_eviction_takes_the_longest_waiting_connection_first(tiny, engine):
+    """The oldest unfinished request goes first; a connection whose request is being
+    answered is never evicted."""
+    cap = 3
+    settings = server_settings(tiny, max_connections=cap, header_timeout=30)
+    with ServerHandle(settings, engine) as server:
+        flood = _half_sent(server.port, cap)
+        time.sleep(0.2)
+        newcomer = _half_sent(server.port, 1)[0]
+        time.sleep(0.2)
+        states = [_still_open(sock) for sock in flood + [newcomer]]
+        newcomer.sendall(b"x\r\n\r\n")  # finish its request: answered on its (normal) slot
+        newcomer.settimeout(5)
+        answer = newcomer.recv(4096)
+        for sock in flood + [newcomer]:
+            sock.close()
+    assert states == [False, True, True, True], states
+    assert answer.startswith(b"HTTP/1.1 200"), answer
