@@ -127,7 +127,7 @@ def checkpoint(args) -> Path:
 def run_long(server: Server, seconds: float) -> dict:
     frames = int(seconds * RATE) // FRAME
     rng = np.random.default_rng(0)
-    times, windows = [], []
+    times, cpu_times, windows = [], [], []
     window_frames = int(60 * RATE) // FRAME
     with connect(server.url) as ws:
         json.loads(ws.recv())
@@ -135,12 +135,15 @@ def run_long(server: Server, seconds: float) -> dict:
         json.loads(ws.recv())
         for index in range(frames):
             chunk = rng.uniform(-0.3, 0.3, FRAME).astype(np.float32)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": pcm16(chunk)}))
             ws.send('{"type": "session.ping"}')
             while json.loads(ws.recv())["type"] != "session.pong":
                 pass
             times.append(time.perf_counter() - start)
+            # CPU time of the whole process (server, its MLX threads and this client) per frame:
+            # steadier than wall time when other jobs share the machine.
+            cpu_times.append(time.process_time() - cpu_start)
             if (index + 1) % window_frames == 0 or index + 1 == frames:
                 window = times[-window_frames:]
                 windows.append(
@@ -148,6 +151,8 @@ def run_long(server: Server, seconds: float) -> dict:
                         "audio_s": round((index + 1) * FRAME / RATE, 1),
                         "median_frame_ms": round(1000 * statistics.median(window), 2),
                         "p95_frame_ms": round(1000 * sorted(window)[int(0.95 * (len(window) - 1))], 2),
+                        "median_frame_cpu_ms": round(1000 * statistics.median(cpu_times[-window_frames:]), 2),
+                        "load_average": round(os.getloadavg()[0], 2),
                         "rss_mib": round(rss_mib(), 1),
                     }
                 )

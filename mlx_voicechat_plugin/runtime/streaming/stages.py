@@ -97,6 +97,9 @@ class TranscriptState:
         self.hidden = None
         self.tokens: list[int] = []
         self.text = ""
+        # Unstripped decode of ``tokens``: upstream's decode is a concatenation of per-token
+        # pieces, so each frame decodes only its new tokens (O(new), not O(session)).
+        self._decoded = ""
         self._scheduled = None
         self._encoded = None
         self._dtype = None
@@ -198,11 +201,12 @@ class TranscriptState:
             return None
         self.last_token = emitted[-1]
         self.hidden = scheduled
-        previous = len(self.tokens)
-        self.tokens.extend(s for s in emitted if not rnnt_tokenizer.is_special_token(s, vocabulary))
-        if len(self.tokens) == previous:
+        kept = [s for s in emitted if not rnnt_tokenizer.is_special_token(s, vocabulary)]
+        if not kept:
             return None
-        updated = rnnt_tokenizer.decode(self.tokens, vocabulary).strip()
+        self.tokens.extend(kept)
+        self._decoded += rnnt_tokenizer.decode(kept, vocabulary)
+        updated = self._decoded.strip()
         delta = updated[len(self.text) :] if updated.startswith(self.text) else updated
         self.text = updated
         return delta, updated
