@@ -148,10 +148,12 @@ def _played_mono(fake: FakeSoundDevice) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ the whole client
-def test_live_exchange_matches_the_file_client(serve, question_16k_wav):  # noqa: F811
+def test_live_exchange_matches_the_file_client(serve, question_16k_wav, tmp_path):  # noqa: F811
     """Speech plus 3 s of silence through the fake microphone at 16 kHz reaches the model
     sample-exactly, so the exchange equals the file client's; all received audio is played
-    in order (silence only where the network ran dry)."""
+    in order (silence only where the network ran dry) and written to --output-audio."""
+    import soundfile
+
     server = serve()
     samples = load_input(str(question_16k_wav), 3.0)
     reference = asyncio.run(run_file_turn(server.ws(), samples, system_prompt=SYSTEM_PROMPT, seed=0))
@@ -159,14 +161,16 @@ def test_live_exchange_matches_the_file_client(serve, question_16k_wav):  # noqa
     fake = FakeSoundDevice(samples[:, None])
     result = asyncio.run(microphone.run_live(
         server.ws(), SoundDeviceBackend(fake), system_prompt=SYSTEM_PROMPT, seed=0, buffer_seconds=10.0,
+        output_audio=tmp_path / "answer.wav",
     ))
     state = result.state
     assert state.phase == "done"
     assert result.frames_sent == -(-samples.shape[0] // 1280)
     assert (state.transcript, state.text, state.function_text) == (reference.transcript, reference.text, reference.function_text)
-    assert state.frames == reference.frames
-    received = state.audio_pcm16()
-    assert np.array_equal(received, reference.audio_pcm16())
+    assert state.frames == reference.frames and state.audio == []  # played and written, not kept
+    assert result.output_audio == tmp_path / "answer.wav"
+    received, rate = soundfile.read(str(result.output_audio), dtype="int16")
+    assert rate == 22050 and np.array_equal(received, reference.audio_pcm16())
 
     ring = result.ring
     assert ring.dropped == 0 and ring.played == received.shape[0] == state.frames * OUTPUT_FRAME_SAMPLES

@@ -57,7 +57,7 @@ class LivePrinter:
 def summary_lines(state: TurnState, output: str | None = None) -> list[str]:
     """The final, authoritative result: ``transcript:``, ``answer:``, ``function:`` (when
     the function channel produced text) and ``audio:`` lines."""
-    seconds = sum(chunk.shape[0] for chunk in state.audio) / OUTPUT_SAMPLE_RATE
+    seconds = state.audio_samples / OUTPUT_SAMPLE_RATE
     lines = [f"transcript: {clean(state.transcript)}", f"answer: {clean(state.text)}"]
     if state.function_text:
         lines.append(f"function: {clean(state.function_text)}")

@@ -8,7 +8,9 @@ Captures the default (or ``--input-device``) microphone, downmixes and resamples
 ``response.audio.delta`` stream through the default (or ``--output-device``) speaker via a
 jitter buffer (:class:`~.ringbuffer.RingBuffer`), prints the transcript and the answer as
 they arrive, and commits on Ctrl-C (a second Ctrl-C quits at once). ``--list-devices``
-lists the devices. Needs the ``mic`` extra (``sounddevice``).
+lists the devices. Needs the ``mic`` extra (``sounddevice``). Received audio is played,
+never collected in memory (a live session has no known length); ``--output-audio a.wav``
+also writes it to a WAV as it arrives (:mod:`.recording`).
 
 Use headphones: there is no acoustic echo cancellation and the model keeps listening while
 it speaks, so through open speakers it hears -- and answers -- its own voice.
@@ -26,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -40,6 +43,7 @@ from .errors import (
     UsageError,
 )
 from .protocol import FRAME_SAMPLES, INPUT_SAMPLE_RATE, AudioDelta, TurnState, append, commit
+from .recording import WavRecorder
 from .ringbuffer import RingBuffer
 from .session import Update, open_session, receive_until_closed
 
@@ -54,14 +58,16 @@ SILENCE_WARNING_SECONDS = 2.0
 
 @dataclass
 class LiveResult:
-    """What a live exchange did: the received ``state``, appends sent, the playback buffer
-    (with its counters) and the devices used."""
+    """What a live exchange did: the received ``state`` (counters and text; no audio
+    kept), appends sent, the playback buffer (with its counters), the devices used and the
+    WAV written (``output_audio``, else None)."""
 
     state: TurnState
     frames_sent: int
     ring: RingBuffer
     input_device: DeviceInfo
     output_device: DeviceInfo
+    output_audio: Path | None = None
 
 
 async def run_live(
@@ -80,6 +86,7 @@ async def run_live(
     stop: asyncio.Event | None = None,
     on_update: Callable[[Update], None] | None = None,
     status: Callable[[str], None] | None = None,
+    output_audio: str | Path | None = None,
 ) -> LiveResult:
     """Run one live exchange until ``stop`` is set (or ``duration`` seconds were sent, or
     the input device ends), then commit and play the rest of the answer.
@@ -89,9 +96,12 @@ async def run_live(
         buffer_seconds: most answer audio held for playback; older audio is dropped
             beyond it (bounds the latency).
         duration: commit automatically after this many seconds of captured audio.
+        output_audio: also write the received audio (int16, 22 050 Hz) to this ``.wav`` as it
+            arrives; the file appears once the exchange ends normally (none on failure).
 
     Raises:
         ClientError: device, connection or server failures (one-line messages).
+        runtime.audio_io.AudioInputError: ``output_audio`` is not a writable ``.wav``.
     """
     say = status or (lambda _message: None)
     loop = asyncio.get_running_loop()
@@ -118,10 +128,12 @@ async def run_live(
     def on_output(outdata, frames, time_info, flags) -> None:  # audio thread
         outdata[:] = ring.read(frames)[:, None]  # mono to every channel
 
-    input_stream = backend.input_stream(mic, channels=mic.channels("input"), callback=on_input,
-                                        finished_callback=on_input_finished)
-    streams = [input_stream]
+    recorder = WavRecorder(output_audio) if output_audio is not None else None
+    streams = []
     try:
+        input_stream = backend.input_stream(mic, channels=mic.channels("input"), callback=on_input,
+                                            finished_callback=on_input_finished)
+        streams.append(input_stream)
         output_stream = backend.output_stream(speaker, channels=out_channels, callback=on_output)
         streams.append(output_stream)
         say(f"[mic] input [{mic.index}] {mic.name} ({mic.samplerate} Hz, {mic.channels('input')} ch) -> 16 kHz mono")
@@ -131,7 +143,10 @@ async def run_live(
         for stream in streams:
             with contextlib.suppress(Exception):
                 stream.close()
+        if recorder is not None:
+            recorder.discard()
         raise
+    state.keep_audio = False  # open-ended: play (and record) the audio, never collect it
     sent = 0
 
     async def watch_stop() -> None:
@@ -168,10 +183,13 @@ async def run_live(
     def handle(update: Update) -> None:
         if isinstance(update, AudioDelta):
             ring.write(playback(update.pcm))
+            if recorder is not None:
+                recorder.write(update.pcm)
         elif on_update is not None:
             on_update(update)
 
     tasks: list[asyncio.Task] = []
+    written = None
     try:
         backend.start(output_stream, speaker, "output")
         backend.start(input_stream, mic, "input")
@@ -190,7 +208,11 @@ async def run_live(
         deadline = time.monotonic() + ring.available / speaker.samplerate + 1.0
         while ring.available and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        if recorder is not None:
+            written = recorder.finish()
     finally:
+        if recorder is not None and written is None:
+            recorder.discard()
         for task in tasks:
             if not task.done():
                 task.cancel()
@@ -202,7 +224,8 @@ async def run_live(
                 stream.stop()
             with contextlib.suppress(Exception):
                 stream.close()
-    return LiveResult(state=state, frames_sent=sent, ring=ring, input_device=mic, output_device=speaker)
+    return LiveResult(state=state, frames_sent=sent, ring=ring, input_device=mic, output_device=speaker,
+                      output_audio=written)
 
 
 def build_parser(prog: str = "mlx-voicechat-mic") -> argparse.ArgumentParser:
@@ -228,6 +251,8 @@ def build_parser(prog: str = "mlx-voicechat-mic") -> argparse.ArgumentParser:
                         help="playback prefill in ms, absorbs network jitter (default 160)")
     parser.add_argument("--buffer-seconds", type=float, default=3.0,
                         help="most answer audio queued for playback; older audio is dropped beyond it (default 3)")
+    parser.add_argument("--output-audio", default=None, metavar="PATH.wav",
+                        help="also write the answer audio (22.05 kHz PCM16) to this WAV as it arrives")
     parser.add_argument("--quiet", "-q", action="store_true", help="do not print the live transcript and answer")
     return parser
 
@@ -269,6 +294,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-mic", back
                 origin=args.origin, input_device=args.input_device, output_device=args.output_device,
                 jitter_ms=args.jitter_ms, buffer_seconds=args.buffer_seconds, duration=args.duration,
                 stop=stop, on_update=None if args.quiet else printer, status=status,
+                output_audio=args.output_audio,
             )
         finally:
             if installed:
@@ -283,6 +309,13 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-mic", back
             raise UsageError("--duration must be positive")
         if not args.url and not args.list_devices:
             raise UsageError("give the realtime URL, e.g. ws://127.0.0.1:8080/v1/realtime (or --list-devices)")
+        if args.output_audio is not None:
+            from ..runtime.audio_io import AudioInputError, check_wav_output_path
+
+            try:
+                check_wav_output_path(args.output_audio)
+            except AudioInputError as error:
+                raise UsageError(str(error)) from None
         url = normalize_url(args.url) if args.url else None
         devices = backend or SoundDeviceBackend()
         if args.list_devices:
@@ -302,7 +335,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-mic", back
         print(f"error: unexpected {type(error).__name__}: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_FAILURE
     printer.finish()
-    for line in summary_lines(result.state):
+    for line in summary_lines(result.state, str(result.output_audio) if result.output_audio else None):
         print(line)
     ring = result.ring
     status(

@@ -124,6 +124,11 @@ class AudioDelta:
     sample_rate: int
 
 
+#: Distinct event types :attr:`TurnState.counts` tracks by name (a hostile server could
+#: send endless invented types).
+MAX_COUNTED_TYPES = 64
+
+
 @dataclass
 class TurnState:
     """Everything one connection has received, updated event by event.
@@ -133,6 +138,12 @@ class TurnState:
     ``transcript`` / ``text`` / ``function_text`` are authoritative (deltas may not be
     suffixes, see the spec's text-delta rule); ``spoken_*`` concatenate the deltas as a live
     display shows them.
+
+    ``keep_audio`` (default True) stores every audio delta in ``audio`` (a turn of known
+    length: the file client bounds it); an open-ended session (the microphone client) sets
+    it False and keeps only the counters ``audio_frames`` / ``audio_samples``, so a server
+    that sends audio for hours (or floods it) cannot grow the client's memory. ``counts``
+    tracks at most :data:`MAX_COUNTED_TYPES` event types (the rest under ``"other"``).
     """
 
     phase: str = "connecting"
@@ -146,11 +157,14 @@ class TurnState:
     audio_frame_indices: list[int] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     done_frame_index: int | None = None
+    keep_audio: bool = True
+    audio_frames: int = 0
+    audio_samples: int = 0
 
     @property
     def frames(self) -> int:
         """``response.audio.delta`` events received."""
-        return len(self.audio)
+        return self.audio_frames
 
     @property
     def finished(self) -> bool:
@@ -174,7 +188,8 @@ class TurnState:
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise ConnectionLost("the server sent a malformed event (not a JSON object with a type)")
         kind = event["type"]
-        self.counts[kind] = self.counts.get(kind, 0) + 1
+        counted = kind if kind in self.counts or len(self.counts) < MAX_COUNTED_TYPES else "other"
+        self.counts[counted] = self.counts.get(counted, 0) + 1
         if kind == "error":
             error = event.get("error") or {}
             code = str(error.get("code", "unknown"))
@@ -214,9 +229,12 @@ class TurnState:
                 pcm = decode_pcm16(event.get("delta", ""))
             except ValueError as error:
                 raise ConnectionLost(str(error)) from None
-            frame_index = int(event.get("frame_index", len(self.audio)))
-            self.audio.append(pcm)
-            self.audio_frame_indices.append(frame_index)
+            frame_index = int(event.get("frame_index", self.audio_frames))
+            self.audio_frames += 1
+            self.audio_samples += pcm.shape[0]
+            if self.keep_audio:
+                self.audio.append(pcm)
+                self.audio_frame_indices.append(frame_index)
             return AudioDelta(frame_index, pcm, int(event.get("sample_rate", OUTPUT_SAMPLE_RATE)))
         return None
 

@@ -1,0 +1,83 @@
+"""Issue #12 leftovers: the microphone client kept every received audio delta in memory
+(``TurnState.audio``), unbounded for a live session of unknown length. It now plays them
+and writes them to ``--output-audio`` as they arrive, keeping only counters."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import numpy as np
+import soundfile
+
+from mlx_voicechat_plugin.clients import microphone
+from mlx_voicechat_plugin.clients.devices import SoundDeviceBackend
+from mlx_voicechat_plugin.clients.protocol import OUTPUT_FRAME_SAMPLES, TurnState
+
+from .test_client_file import ScriptedServer
+from .test_client_microphone import FakeSoundDevice
+
+
+class AudioFloodServer(ScriptedServer):
+    """Configures, sends ``FLOOD`` audio deltas at once (frame ``i`` holds the value ``i``),
+    then answers the client's commit with ``response.done`` and close 1000."""
+
+    FLOOD = 3000
+
+    async def _handler(self, ws):
+        await ws.send(json.dumps({"type": "session.created", "session": {"id": "sess_0000000000000000"}}))
+        await ws.recv()
+        await ws.send(json.dumps({"type": "session.updated", "session": {"model": "fake"}}))
+        for index in range(self.FLOOD):
+            pcm = np.full(OUTPUT_FRAME_SAMPLES, index % 32768, dtype="<i2")
+            delta = base64.b64encode(pcm.tobytes()).decode()
+            await ws.send(json.dumps({"type": "response.audio.delta", "frame_index": index, "delta": delta}))
+        while json.loads(await ws.recv()).get("type") != "input_audio_buffer.commit":
+            pass
+        await ws.send(json.dumps({"type": "input_audio_buffer.committed"}))
+        await ws.send(json.dumps({"type": "response.done", "frame_index": self.FLOOD}))
+        await ws.close(1000)
+
+
+def test_microphone_client_streams_an_audio_flood_to_disk_instead_of_memory(tmp_path):
+    fake = FakeSoundDevice(np.zeros((8000, 1), dtype=np.float32))  # 0.5 s of microphone input
+    with AudioFloodServer("flood") as server:
+        result = asyncio.run(microphone.run_live(
+            f"ws://127.0.0.1:{server.port}/v1/realtime", SoundDeviceBackend(fake),
+            buffer_seconds=1.0, output_audio=tmp_path / "answer.wav",
+        ))
+    state = result.state
+    assert state.phase == "done" and state.frames == AudioFloodServer.FLOOD
+    assert state.audio == [] and state.audio_frame_indices == []  # nothing collected
+    assert state.audio_samples == AudioFloodServer.FLOOD * OUTPUT_FRAME_SAMPLES
+    written, rate = soundfile.read(str(tmp_path / "answer.wav"), dtype="int16")
+    expected = np.repeat(np.arange(AudioFloodServer.FLOOD, dtype=np.int16), OUTPUT_FRAME_SAMPLES)
+    assert rate == 22050 and np.array_equal(written, expected)
+    assert result.ring.dropped > 0  # playback stayed bounded (1 s) and dropped the excess
+    assert list(tmp_path.iterdir()) == [tmp_path / "answer.wav"]  # no temporary left behind
+
+
+def test_a_failed_live_session_leaves_no_partial_recording(tmp_path):
+    """A server that drops the connection: the client fails and --output-audio is not
+    written (no half file, no temporary)."""
+    fake = FakeSoundDevice(np.zeros((8000, 1), dtype=np.float32))
+    with ScriptedServer("abort") as server:
+        status = microphone.main([f"ws://127.0.0.1:{server.port}/v1/realtime", "--quiet",
+                                  "--output-audio", str(tmp_path / "answer.wav")], backend=SoundDeviceBackend(fake))
+    assert status == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_audio_must_be_a_writable_wav(tmp_path, capsys):
+    status = microphone.main(["ws://127.0.0.1:9/v1/realtime", "--output-audio", str(tmp_path / "a.mp3")],
+                             backend=SoundDeviceBackend(FakeSoundDevice(np.zeros((10, 1), dtype=np.float32))))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and ".wav" in err[0], err
+
+
+def test_turn_state_counts_a_bounded_number_of_event_types():
+    state = TurnState()
+    for index in range(1000):
+        state.handle({"type": f"invented.{index}"})
+    assert len(state.counts) <= 65 and sum(state.counts.values()) == 1000
