@@ -4,12 +4,15 @@ The order of work is the solo frame's (``runtime/streaming/session.py``), with t
 language model, EAR-TTS and the codec run once over the stacked rows:
 
 1. per session: log-mel; all sessions: the cache-aware FastConformer's layers over the
-   stacked rows (:mod:`.perception`, attention per session) and the projection; per
-   session: the first RNNT decode step (side stream) and the fused LLM input row;
+   stacked rows (:mod:`.perception`, attention per session) and the projection; all
+   sessions: the first RNNT decode step over their rows (side stream, :mod:`.transcript`);
+   per session: the fused LLM input row;
 2. all sessions: one Nemotron-H step (:func:`.language.language_step`), the argmax ids;
    **one** host round trip reads every session's ids and first RNNT symbols;
-3. per session: the remaining RNNT steps when its first symbol was not blank, its noise
-   (own RNG key); all sessions past their first timeline position: one EAR-TTS step
+3. the sessions whose first symbol was not blank: the remaining RNNT steps over their rows
+   (masked per row, :func:`.transcript.schedule_rest_rows`); all sessions
+   past their first timeline position: their noise, each from its own RNG key, in one
+   batched draw (:func:`.speech.draw_noise_rows`) and one EAR-TTS step
    (:func:`.speech.speech_step`); sessions at their first position emit the silence codes;
 4. all sessions: one codec decode of the steady-state caches (:func:`.codec.codec_decode`),
    then **one** evaluation of every output and cache;
@@ -29,7 +32,8 @@ import numpy as np
 from .codec import codec_decode
 from .language import language_step
 from .perception import encode_frames
-from .speech import draw_noise, speech_step
+from .speech import draw_noise_rows, key_values, speech_step
+from .transcript import schedule_rest_rows, schedule_rows
 
 
 def batchable(session) -> bool:
@@ -87,10 +91,15 @@ def step_frames(sessions: list, frames: list[np.ndarray]) -> list[list]:
     return results
 
 
-def _perceive(sessions: list, mels: list[mx.array]) -> list[tuple[mx.array, list[mx.array]]]:
+def _perceive(sessions: list, mels: list[mx.array]) -> tuple[list[mx.array], mx.array | None]:
     """The encoder frames of all sessions (:func:`.perception.encode_frames`), the
-    projection over the stacked rows; per session its fused LLM input row and first RNNT
-    step (``StreamingSession._perceive`` and the start of ``_step_frame``)."""
+    projection over the stacked rows; per session its fused LLM input row; all sessions:
+    the first RNNT step (:func:`.transcript.schedule_rows`; ``StreamingSession._perceive``
+    and the start of ``_step_frame``).
+
+    Returns:
+        ``(fused, firsts)``: per session its ``(1, 1, hidden)`` LLM input; the ``(B,)``
+        first RNNT symbols (None without an RNNT vocabulary)."""
     perception = sessions[0].model.stt_model.perception
     chunks = encode_frames(perception.encoder, [session._conformer for session in sessions], mels)
     for mel, found in zip(mels, chunks):
@@ -101,35 +110,29 @@ def _perceive(sessions: list, mels: list[mx.array]) -> list[tuple[mx.array, list
             )
     encoded = mx.concatenate([found[0] for found in chunks], axis=0)
     projected = perception.proj(encoded)
-    perceived = []
-    for row, session in enumerate(sessions):
-        frame_encoded = encoded[row : row + 1]
-        readback = [session._transcript.schedule(frame_encoded)] if session._transcript.enabled else []
-        perceived.append((session._fuse(projected[row : row + 1]), readback))
-    return perceived
+    transcribing = sessions[0]._transcript.enabled  # a property of the model
+    firsts = schedule_rows([session._transcript for session in sessions], encoded) if transcribing else None
+    fused = [session._fuse(projected[row : row + 1]) for row, session in enumerate(sessions)]
+    return fused, firsts
 
 
-def _batched(sessions: list, perceived: list) -> list[list]:
+def _batched(sessions: list, perceived: tuple) -> list[list]:
     model = sessions[0].model
-    fused = [row for row, _ in perceived]
-    ids = [readback for _, readback in perceived]
+    fused, firsts = perceived
+    count = len(sessions)
     text_logits, function_logits = language_step(model, [s._language for s in sessions], mx.concatenate(fused, axis=0))
     text_ids = mx.argmax(text_logits[:, -1], axis=-1).astype(mx.int32)
     function_ids = mx.argmax(function_logits[:, -1], axis=-1).astype(mx.int32)
-    pieces = []
-    for row, readback in enumerate(ids):
-        pieces += [text_ids[row : row + 1], function_ids[row : row + 1], *readback]
+    pieces = [text_ids, function_ids] + ([firsts] if firsts is not None else [])
     flat = mx.concatenate(pieces).tolist()  # the tick's first host round trip
-    values, offset = [], 0
-    for readback in ids:
-        width = 2 + len(readback)
-        values.append(flat[offset : offset + width])
-        offset += width
+    values = [[flat[row], flat[count + row]] + ([flat[2 * count + row]] if firsts is not None else []) for row in range(count)]
 
-    rests = []
     for session, row in zip(sessions, values):
         session._previous_ids = (row[0], row[1])
-        rests.append(session._transcript.schedule_rest(row[2]) if session._transcript.enabled else None)
+    if firsts is not None:
+        rests = schedule_rest_rows([session._transcript for session in sessions], [row[2] for row in values])
+    else:
+        rests = [None] * count
 
     codes: list[mx.array | None] = [None] * len(sessions)
     stepping = []
@@ -143,12 +146,10 @@ def _batched(sessions: list, perceived: list) -> list[list]:
         index = stepping[0]
         with sessions[index]._rng.active():
             codes[index] = sessions[index]._speech.step(values[index][0], first=False)
-    elif stepping:
+    keys = None
+    if len(stepping) > 1:
         tts = model.tts_model.tts_model
-        noise = []
-        for index in stepping:
-            with sessions[index]._rng.active():
-                noise.append(draw_noise(tts))
+        noise, keys = draw_noise_rows(tts, [sessions[i]._rng._key for i in stepping])
         stepped = speech_step(
             model, [sessions[i]._speech for i in stepping], [values[i][0] for i in stepping], noise
         )
@@ -163,6 +164,8 @@ def _batched(sessions: list, perceived: list) -> list[list]:
     )
     samples = [audio[0, 0] for audio in decoded]
     arrays = [*samples, *cleans, *(rest for rest in rests if rest is not None)]
+    if keys is not None:
+        arrays.append(keys)
     for session in sessions:
         arrays += [
             *session._conformer_arrays(),
@@ -172,6 +175,9 @@ def _batched(sessions: list, perceived: list) -> list[list]:
         ]
     mx.eval(*arrays)  # the tick's second host round trip
     sessions[0]._speech.evaluated()
+    if keys is not None:  # evaluated: reading them back runs nothing
+        for index, key in zip(stepping, key_values(keys)):
+            sessions[index]._rng._key = key
 
     results = []
     for session, row, rest, audio, clean in zip(sessions, values, rests, samples, cleans):

@@ -25,7 +25,8 @@ def _pre_encode(state, m: mx.array, include_boundary: bool) -> mx.array | None:
     """``ProjectedStreamingState._encode_mel_chunk`` up to (not including) the layers."""
     cache_len = 0 if state.mel_cache is None else state.mel_cache.shape[1]
     win = m if state.mel_cache is None else mx.concatenate([state.mel_cache, m], axis=1)
-    sub = state.encoder.pre_encode(win, mx.array([win.shape[1]], dtype=mx.int32))[0]
+    # a Python list of lengths, as ProjectedStreamingState: no host round trip (upstream int())
+    sub = state.encoder.pre_encode(win, [win.shape[1]])[0]
     end = state.consumed + m.shape[1]
     base = (state.consumed - cache_len) // state.subsampling_factor
     lo = state.emitted - base

@@ -1,14 +1,15 @@
 """Row bookkeeping for batched steps: per-session slices of stacked arrays.
 
 A batched step stacks one row per session along axis 0 (``(B, 1, d)``). Stages whose state
-differs in length between sessions (attention over KV caches) run per session on that
-session's rows and are scattered back; these helpers do the gathering and scattering
-without changing any value.
+differs in length between sessions (attention over KV caches) update each session's cache
+with its rows and attend over the sessions' keys padded to one length
+(:func:`padded_keys`); these helpers gather, scatter and pad without changing any value.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 
 def split_rows(array: mx.array, sizes: list[int]) -> list[mx.array]:
@@ -30,3 +31,32 @@ def guided_rows(array: mx.array, index: int, sessions: int) -> mx.array:
 def join_guided(pairs: list[mx.array]) -> mx.array:
     """Inverse of :func:`guided_rows`: per-session ``(2, ...)`` pairs -> ``(2B, ...)``."""
     return mx.concatenate([pair[:1] for pair in pairs] + [pair[1:] for pair in pairs], axis=0)
+
+
+def padded_keys(fetched: list[tuple[mx.array, mx.array]], rows: int = 1) -> tuple[mx.array, mx.array, mx.array | None]:
+    """Stack per-session attention keys and values of different lengths for one call.
+
+    Args:
+        fetched: per session its ``(keys, values)``, each ``(rows, heads, T_i, head_dim)``
+            (a KV cache's ``update_and_fetch``).
+        rows: rows per session (2 for a guidance pair).
+
+    Returns:
+        ``(keys, values, mask)``: ``(B * rows, heads, T, head_dim)`` with ``T = max T_i``,
+        each session's zero-padded on the right, and a boolean ``(B * rows, 1, 1, T)`` mask
+        (True: a real key), or None when every ``T_i`` is ``T``.
+    """
+    lengths = [keys.shape[2] for keys, _ in fetched]
+    longest = max(lengths)
+
+    def pad(array: mx.array, length: int) -> mx.array:
+        if length == longest:
+            return array
+        return mx.pad(array, ((0, 0), (0, 0), (0, longest - length), (0, 0)))
+
+    keys = mx.concatenate([pad(keys, length) for (keys, _), length in zip(fetched, lengths)], axis=0)
+    values = mx.concatenate([pad(values, length) for (_, values), length in zip(fetched, lengths)], axis=0)
+    if all(length == longest for length in lengths):
+        return keys, values, None
+    valid = np.arange(longest)[None, :] < np.repeat(np.array(lengths), rows)[:, None]
+    return keys, values, mx.array(valid[:, None, None, :])

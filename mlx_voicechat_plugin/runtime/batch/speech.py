@@ -9,10 +9,11 @@ laid out as upstream lays out one session's, generalised to ``B``:
 
 * code embedding, gated fusion, the backbone's norms and MLPs, the MoG head and the RVQ
   search run once over all rows;
-* each backbone attention projects all rows at once (query, key, value, output); the
-  query/key norms, rotary embedding at the session's offset, cache update and attention run
-  per session on its two rows with its own KV caches (rotating for sliding layers; lengths
-  differ between sessions), as mlx-vlm's Gemma3 ``Attention.__call__`` does;
+* each backbone attention projects and normalises all rows at once (query, key, value
+  projections and norms, output projection); the rotary embedding and the attention run
+  once per group of sessions at the same position (all sessions once they are in step),
+  each session's cache (rotating for sliding layers) updated with its own two rows, as
+  mlx-vlm's Gemma3 ``Attention.__call__`` does;
 * the text condition is each session's own (memoised, one row pair each), as alone;
 * the sampling noise (``uniform`` for the Gumbel choice, ``normal`` for the residual) is
   drawn per session from its own RNG key, in the order its solo step draws it, and stacked.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 from mlx_vlm.models.base import (
     create_attention_mask,
     kv_sequence_length,
@@ -31,7 +33,7 @@ from mlx_vlm.models.base import (
 from mlx_vlm.models.gemma3.language import clip_residual
 from mlx_vlm.models.nemotron_voicechat.tts import _top_p_logits
 
-from .rows import guided_rows, join_guided
+from .rows import join_guided, padded_keys
 
 
 def mask_counts(config) -> list[int]:
@@ -62,6 +64,60 @@ def draw_noise(tts) -> list[tuple[mx.array, mx.array]]:
     return noise
 
 
+_split = mx.vmap(mx.random.split)
+
+
+def draw_noise_rows(tts, seeds: list[int]) -> tuple[list[tuple[mx.array, mx.array]], mx.array]:
+    """:func:`draw_noise` of ``B`` sessions at once, each from its own key, lazily.
+
+    MLX's global draw (``mx.random.uniform(shape)`` without a key) splits the global key
+    into ``(next key, subkey)`` and draws from the subkey; drawing from explicit subkeys
+    split the same way gives the same bits (``tests/test_batch_noise.py``). Here the
+    sessions' keys are stacked ``(B, 2)`` uint32 and split with ``vmap`` (one split per
+    draw for all rows), and each draw kind of every iteration and row comes from one
+    ``vmap``-ed call: no host round trip and about the same number of operations for any
+    ``B`` (``SessionRNG.active`` reads the key back to the host twice per session).
+
+    Args:
+        tts: the EAR-TTS model (its config gives the shapes and the MoG schedule).
+        seeds: per session the integer key of its ``SessionRNG`` (``[k >> 32, k & 0xffffffff]``).
+
+    Returns:
+        ``(noise, keys)``: per non-empty MoG iteration ``(uniform (B, 1, num_predictions),
+        normal (B, 1, latent))`` float32, row ``i`` bit-identical to session ``i``'s
+        :func:`draw_noise`; and the ``(B, 2)`` uint32 keys after the draws (to store back
+        with :func:`key_values` once evaluated).
+    """
+    config = tts.config
+    keys = mx.stack([mx.random.key(seed) for seed in seeds])
+    uniform_keys, normal_keys = [], []
+    for count in mask_counts(config):
+        if count == 0:
+            continue
+        pair = _split(keys)
+        keys, uniform_key = pair[:, 0], pair[:, 1]
+        pair = _split(keys)
+        keys, normal_key = pair[:, 0], pair[:, 1]
+        uniform_keys.append(uniform_key)
+        normal_keys.append(normal_key)
+    if not uniform_keys:
+        return [], keys
+    predictions, latent = config.mog_head.num_predictions, config.latent_size
+    uniform = mx.vmap(mx.vmap(lambda key: mx.random.uniform(shape=(1, predictions), key=key)))(
+        mx.stack(uniform_keys, axis=1)
+    )  # (B, iterations, 1, P)
+    normal = mx.vmap(mx.vmap(lambda key: mx.random.normal((1, latent), key=key)))(
+        mx.stack(normal_keys, axis=1)
+    )  # (B, iterations, 1, L)
+    noise = [(uniform[:, index], normal[:, index]) for index in range(len(uniform_keys))]
+    return noise, keys
+
+
+def key_values(keys: mx.array) -> list[int]:
+    """Evaluated ``(B, 2)`` uint32 MLX keys as the integers ``SessionRNG`` keeps."""
+    return [(high << 32) | low for high, low in keys.tolist()]
+
+
 def _mog_infer(head, x, guidance_scale, top_p, uniform):
     """Upstream ``MoGHead.infer`` with the uniform noise given (``(B, 1, P)``)."""
     for layer in head.mlp_stack:
@@ -85,11 +141,12 @@ def _mog_infer(head, x, guidance_scale, top_p, uniform):
     return mu * mx.exp(logs) + residual, logs
 
 
-def generate_codes(tts, hidden: mx.array, noise: list[list[tuple[mx.array, mx.array]]]) -> mx.array:
+def generate_codes(tts, hidden: mx.array, noise: list[tuple[mx.array, mx.array]]) -> mx.array:
     """Upstream ``generate_codes`` over ``(2B, 1, d)`` guided rows with per-session noise.
 
     Args:
-        noise: per session, :func:`draw_noise`'s list.
+        noise: per non-empty MoG iteration ``(uniform (B, 1, P), normal (B, 1, latent))``,
+            row ``i`` session ``i``'s draws (:func:`draw_noise_rows`).
 
     Returns:
         ``(B, 1, 31)`` int32 codes.
@@ -103,8 +160,7 @@ def generate_codes(tts, hidden: mx.array, noise: list[list[tuple[mx.array, mx.ar
     for count in mask_counts(config):
         if count == 0:
             continue
-        uniform = mx.concatenate([draws[iteration][0] for draws in noise], axis=0)
-        normal = mx.concatenate([draws[iteration][1] for draws in noise], axis=0)
+        uniform, normal = noise[iteration]
         iteration += 1
         embedded = tts.embed_code(tts.depthsum_embedding(code))
         mog_input = mx.concatenate([embedded + conditional, embedded + unconditional], axis=0)
@@ -115,36 +171,140 @@ def generate_codes(tts, hidden: mx.array, noise: list[list[tuple[mx.array, mx.ar
     return code
 
 
+def _mask_cache(caches: list, layer_index: int, pattern: int):
+    """The cache mlx-vlm's Gemma3 model builds this layer's mask from (None: no mask)."""
+    if layer_index % pattern == pattern - 1:
+        return caches[pattern - 1]
+    if pattern > 1:
+        return caches[0]
+    return None
+
+
+def _groups(caches: list, layer_index: int, pattern: int) -> list[list[int]]:
+    """Sessions whose caches of this layer (and of its mask) hold the same positions: their
+    keys and masks have the same shapes and values, so one attention call serves them."""
+    groups: dict[tuple, list[int]] = {}
+    for index, session_caches in enumerate(caches):
+        cache = session_caches[layer_index]
+        masker = _mask_cache(session_caches, layer_index, pattern)
+        key = (type(cache), cache.offset, type(masker), getattr(masker, "offset", None))
+        groups.setdefault(key, []).append(index)
+    return list(groups.values())
+
+
 def _attention(layer, x, caches: list, layer_index: int, window: int, pattern: int):
-    """The block's self-attention: projections over all ``2B`` rows, the rest per session
-    on its rows ``[i, B+i]`` with its own cache and mask (mlx-vlm Gemma3 ``Attention``)."""
+    """The block's self-attention (mlx-vlm Gemma3 ``Attention.__call__``) for ``2B`` guided
+    rows ``[cond_0 .. cond_{B-1}, uncond_0 .. uncond_{B-1}]`` ``(2B, 1, d)`` -> ``(2B, 1, d)``.
+
+    Projections, query/key norms and the rotary embedding (each row at its session's
+    position) run once over all rows; each session's cache (rotating for sliding layers)
+    is updated with its own two rows; then one attention call covers every row: the
+    sessions' keys and values (lengths ``T_i``) are zero-padded on the right to the longest
+    and a boolean mask hides the padding (no mask when all lengths are equal). On MLX's
+    CPU backend a one-query attention over right-padded, masked keys gives each row the
+    same bits as over its own keys (``tests/test_batch_attention.py``). When a session's
+    own call needs a mask (its sliding window is shorter than its cache), the layer runs
+    per group of sessions at the same position (:func:`_attention_grouped`).
+    """
+    for session_caches in caches:
+        masker = _mask_cache(session_caches, layer_index, pattern)
+        if masker is None:
+            continue
+        if layer_index % pattern == pattern - 1:
+            mask = create_attention_mask(x[:1], masker)
+        else:
+            mask = create_attention_mask(x[:1], masker, window_size=window)
+        if mask is not None:
+            return _attention_grouped(layer, x, caches, layer_index, window, pattern)
     attention = layer.self_attn
     sessions = len(caches)
-    queries, keys, values = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
-    outputs = []
-    for index, session_caches in enumerate(caches):
-        rows = guided_rows(x, index, sessions)
-        if layer_index % pattern == pattern - 1:
-            mask = create_attention_mask(rows, session_caches[pattern - 1])
-        elif pattern > 1:
-            mask = create_attention_mask(rows, session_caches[0], window_size=window)
+    order = mx.array([row for index in range(sessions) for row in (index, sessions + index)])
+    q = attention.q_proj(x).reshape(2 * sessions, 1, attention.n_heads, -1).transpose(0, 2, 1, 3)
+    k = attention.k_proj(x).reshape(2 * sessions, 1, attention.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = attention.v_proj(x).reshape(2 * sessions, 1, attention.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    q, k = attention.q_norm(q), attention.k_norm(k)
+    # session-major rows [cond_0, uncond_0, cond_1, ...]: session i's pair is rows 2i, 2i+1
+    q, k, v = q[order], k[order], v[order]
+    offsets = [session_caches[layer_index].offset for session_caches in caches]
+    positions = mx.array([offset for offset in offsets for _ in range(2)])
+    q = attention.rope(q, offset=positions)
+    k = attention.rope(k, offset=positions)
+    fetched = [
+        session_caches[layer_index].update_and_fetch(k[2 * i : 2 * i + 2], v[2 * i : 2 * i + 2])
+        for i, session_caches in enumerate(caches)
+    ]
+    keys, values, mask = padded_keys(fetched, rows=2)
+    output = scaled_dot_product_attention(q, keys, values, caches[0][layer_index], scale=attention.scale, mask=mask)
+    output = output.transpose(0, 2, 1, 3).reshape(2 * sessions, 1, -1)
+    back = mx.array([2 * index + half for half in range(2) for index in range(sessions)])
+    return attention.o_proj(output[back])
+
+
+def _attention_grouped(layer, x, caches: list, layer_index: int, window: int, pattern: int):
+    """The block's self-attention (mlx-vlm Gemma3 ``Attention.__call__``) for ``2B`` guided
+    rows when some session's attention needs a mask (a sliding window past its length):
+    projections, query/key norms over all rows; per group of sessions at the same
+    position (:func:`_groups`; all of them once they opened together) the rotary
+    embedding, one attention call over the group's rows against each session's own cache
+    (updated per session), the mask built as for the group's first session. Every row is
+    computed as in its session's solo call (row-wise norms and rotary embedding, attention
+    per batch item)."""
+    attention = layer.self_attn
+    sessions = len(caches)
+    q = attention.q_proj(x).reshape(2 * sessions, 1, attention.n_heads, -1).transpose(0, 2, 1, 3)
+    k = attention.k_proj(x).reshape(2 * sessions, 1, attention.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = attention.v_proj(x).reshape(2 * sessions, 1, attention.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    q, k = attention.q_norm(q), attention.k_norm(k)
+    groups = _groups(caches, layer_index, pattern)
+    outputs: list[mx.array | None] = [None] * sessions
+    whole = None
+    for members in groups:
+        count = len(members)
+        if count == sessions:  # every session: the rows are already in guided order
+            qg, kg, vg = q, k, v
         else:
+            rows = mx.array(members + [sessions + index for index in members])
+            qg, kg, vg = q[rows], k[rows], v[rows]
+        first = caches[members[0]]
+        offset = first[layer_index].offset
+        qg = attention.rope(qg, offset=offset)
+        kg = attention.rope(kg, offset=offset)
+        fetched_keys, fetched_values = [], []
+        for position, index in enumerate(members):
+            pair = mx.array([position, count + position]) if count > 1 else None
+            k_pair = kg if pair is None else kg[pair]
+            v_pair = vg if pair is None else vg[pair]
+            keys, values = caches[index][layer_index].update_and_fetch(k_pair, v_pair)
+            fetched_keys.append(keys)
+            fetched_values.append(values)
+        if count == 1:
+            kg, vg = fetched_keys[0], fetched_values[0]
+        else:
+            kg = mx.concatenate([key[:1] for key in fetched_keys] + [key[1:] for key in fetched_keys], axis=0)
+            vg = mx.concatenate([value[:1] for value in fetched_values] + [value[1:] for value in fetched_values], axis=0)
+        masker = _mask_cache(first, layer_index, pattern)
+        if masker is None:
             mask = None
-        cache = session_caches[layer_index]
-        q = guided_rows(queries, index, sessions).reshape(2, 1, attention.n_heads, -1).transpose(0, 2, 1, 3)
-        k = guided_rows(keys, index, sessions).reshape(2, 1, attention.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = guided_rows(values, index, sessions).reshape(2, 1, attention.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = attention.q_norm(q), attention.k_norm(k)
-        q = attention.rope(q, offset=cache.offset)
-        k = attention.rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
+        else:
+            rows_in = x[:1]  # only its length (one position) matters
+            if layer_index % pattern == pattern - 1:
+                mask = create_attention_mask(rows_in, masker)
+            else:
+                mask = create_attention_mask(rows_in, masker, window_size=window)
         if mask is not None and isinstance(mask, mx.array):  # upstream's sliding-window slice
-            key_len = kv_sequence_length(k)
+            key_len = kv_sequence_length(kg)
             if mask.shape[-1] != key_len:
                 mask = mask[..., -key_len:]
-        output = scaled_dot_product_attention(q, k, v, cache, scale=attention.scale, mask=mask)
-        outputs.append(output.transpose(0, 2, 1, 3).reshape(2, 1, -1))
-    return attention.o_proj(join_guided(outputs))
+        output = scaled_dot_product_attention(qg, kg, vg, first[layer_index], scale=attention.scale, mask=mask)
+        output = output.transpose(0, 2, 1, 3).reshape(2 * count, 1, -1)
+        if count == sessions:
+            whole = output
+            break
+        for position, index in enumerate(members):
+            outputs[index] = mx.concatenate([output[position : position + 1], output[count + position : count + position + 1]])
+    if whole is None:
+        whole = join_guided(outputs)
+    return attention.o_proj(whole)
 
 
 def backbone_step(backbone, inputs: mx.array, caches: list[list]) -> mx.array:
@@ -171,7 +331,7 @@ def speech_step(model, states: list, text_ids: list[int], noise: list) -> list[m
     Args:
         states: each session's :class:`~..streaming.stages.SpeechState`.
         text_ids: each session's text token of this frame.
-        noise: each session's :func:`draw_noise` for this frame.
+        noise: the frame's noise of all ``B`` sessions (:func:`draw_noise_rows`).
 
     Returns:
         Per session its ``(1, 1, 31)`` codes (also stored as its ``previous_code``), equal to
@@ -191,7 +351,9 @@ def speech_step(model, states: list, text_ids: list[int], noise: list) -> list[m
     conditions = []
     for text_id in text_ids:
         current = mx.array([[text_id]], dtype=mx.int32)
-        conditions.append(tts._condition(current, mx.ones(current.shape, dtype=mx.bool_), 1, True))
+        # a host-built mask, as SpeechState._step: the memo key reads it back without an evaluation
+        mask = mx.array(np.ones(current.shape, dtype=np.bool_))
+        conditions.append(tts._condition(current, mask, 1, True))
     cond = join_guided(conditions)
     hidden = backbone_step(tts.backbone, tts.gated_fusion_audio_text(code_embed, cond), [s.cache for s in states])
     codes = generate_codes(tts, hidden, noise)
