@@ -11,10 +11,13 @@ Hostile clients (``docs/protocol.md``, "Limits"):
 
 * every send (and the close frame) must complete within ``send_timeout`` seconds; a client
   that stops reading loses its session, its slot and its socket (aborted) when it passes;
-* the inbox holds at most ``max_queued_messages`` messages; when it is full the reader
-  stops reading the socket (uvicorn pauses the transport, TCP pushes back on the client)
-  until the handler catches up -- a flood is throttled, never buffered. A cancel sent
-  behind a full inbox is seen once the inbox has room for it;
+* the inbox (:class:`~.inbox.Inbox`) holds appends up to ``max_session_seconds`` of audio
+  and at most ``max_queued_messages`` other messages; when the budget a message needs is
+  spent the reader stops reading the socket (uvicorn pauses the transport, TCP pushes back
+  on the client) until the handler catches up -- a flood is throttled, never buffered.
+  Because appends are read ahead, a cancel sent behind queued audio is seen at once: the
+  running append stops at its next slice and the queued ones are dropped unprocessed (spec:
+  cancel drops pending audio);
 * a disconnect stops a running append at the next slice boundary.
 """
 
@@ -29,6 +32,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol
 from .engine import RealtimeEngine
+from .inbox import Inbox, append_samples
 from .protocol import (
     INFERENCE_ERROR,
     INVALID_REQUEST,
@@ -64,8 +68,8 @@ class Connection:
         self.engine = engine
         self.settings = settings
         self.session_id = protocol.new_session_id()
-        self.inbox: asyncio.Queue = asyncio.Queue(maxsize=settings.max_queued_messages)
-        # Most messages ever waiting in the inbox at once (bounded by its maxsize).
+        self.inbox = Inbox(settings.max_queued_messages, settings.max_session_seconds)
+        # Most items ever waiting in the inbox at once (appends included).
         self.inbox_peak = 0
         # The client disconnected (or stopped reading): pending work is abandoned.
         self.gone = False
@@ -156,14 +160,15 @@ class Connection:
                     continue
                 if message["type"] in self.cancel_types:
                     self.pending_cancels += 1
-                await self._enqueue(("message", message))
+                await self._enqueue(("message", message), append_samples(message))
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.gone = True
         await self._enqueue(("disconnect", None))
 
-    async def _enqueue(self, item: tuple) -> None:
-        """Queue one item; waits (and so stops reading the socket) while the inbox is full."""
-        await self.inbox.put(item)
+    async def _enqueue(self, item: tuple, audio_samples: int = 0) -> None:
+        """Queue one item (an append with its ``audio_samples``); waits, and so stops
+        reading the socket, while the inbox budget it needs is spent."""
+        await self.inbox.put(item, audio_samples)
         self.inbox_peak = max(self.inbox_peak, self.inbox.qsize())
 
     def _wait_budget(self) -> tuple[float, str]:
