@@ -14,6 +14,9 @@
   turn) is computed once per loaded model (:meth:`OfflineSession._tts_prompt`);
 * the session's RNG key is its own (:class:`~.rng.SessionRNG`), so seed ``s`` reproduces
   the reference's ``mx.random.seed(s)`` draws without disturbing other users of MLX's RNG;
+* the codec decodes the turn's codes in windows of code frames
+  (:func:`~..model.codec_chunked.decode_chunked`: the same samples as one whole-sequence
+  call, with one window's transient memory);
 * a ``progress`` callback and the function-channel text in the result.
 """
 
@@ -28,6 +31,7 @@ import numpy as np
 from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram
 from mlx_vlm.models.nemotron_voicechat.session import VoiceChatSession
 
+from ..model.codec_chunked import decode_chunked
 from ..model.execution import execution_of
 from . import compiled
 from .audio_io import AudioInputError  # noqa: F401 - re-exported
@@ -315,8 +319,10 @@ class OfflineSession(VoiceChatSession):
 
         generated = mx.concatenate(codes, axis=1)[:, prompt_frames:]
         generated = self._replace_control_codes(generated)
-        decoded = model.tts_model.audio_codec.decode(generated.transpose(0, 2, 1))
-        mx.eval(decoded, generated)
+        mx.eval(generated)
+        # In windows of code frames: transient memory of one window, whatever the length;
+        # the same samples as one whole-sequence decode (model.codec_chunked).
+        decoded = decode_chunked(model.tts_model.audio_codec, generated.transpose(0, 2, 1))
         transcript, _ = transcript_job.result()
         text = text[prompt_frames:]
         function = function[prompt_frames:]
