@@ -82,3 +82,20 @@ def test_eviction_takes_the_longest_waiting_connection_first(tiny, engine):
             sock.close()
     assert states == [False, True, True, True], states
     assert answer.startswith(b"HTTP/1.1 200"), answer
+
+
+def test_eviction_prefers_connections_that_sent_part_of_a_request(tiny, engine):
+    """A connection the server has not read from yet (e.g. a probe accepted in the same burst
+    as flood connections) is taken after those that sent half a request head."""
+    settings = server_settings(tiny, max_connections=3, header_timeout=30)
+    with ServerHandle(settings, engine) as server:
+        silent = socket.create_connection(("127.0.0.1", server.port))  # oldest, nothing sent
+        time.sleep(0.1)
+        partial = _half_sent(server.port, 2)
+        time.sleep(0.2)
+        newcomer = socket.create_connection(("127.0.0.1", server.port))
+        time.sleep(0.2)
+        states = [_still_open(sock) for sock in [silent, *partial, newcomer]]
+        for sock in [silent, *partial, newcomer]:
+            sock.close()
+    assert states == [True, False, True, True], states

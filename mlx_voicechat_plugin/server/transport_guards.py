@@ -19,7 +19,9 @@ what it leaves open:
   cap is full, the connection that has waited longest for its request (head or body, a
   keep-alive connection between requests included) is aborted to make room, so only
   connections that have sent a whole request (being answered, or WebSockets) can fill the
-  cap; the flood can only push out its own oldest members. The probe headroom is used only
+  cap; the flood can only push out its own oldest members (those that sent part of a
+  request before those not yet read from, so a probe accepted in the middle of a burst of
+  flood connections is not pushed out before its request is read). The probe headroom is used only
   while the cap is full of such connections, and when it is full too its own oldest
   waiting connection makes room the same way.
   **Request bodies** are bounded too (no
@@ -182,6 +184,7 @@ class GuardedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        self._partial = True  # evicted before connections not yet read from
         super().data_received(data)
         if self.conn.their_state not in _RECEIVING:  # a whole request (head and body) arrived
             self._disarm_head_deadline()
@@ -209,6 +212,7 @@ class GuardedH11Protocol(H11Protocol):
         self._disarm_head_deadline()
         timeout = min(self.header_timeout, PROBE_TIMEOUT) if self._probe_only else self.header_timeout
         self._head_timer = self.loop.call_later(timeout, self._head_deadline_passed)
+        self._partial = False
         self.awaiting[self] = None  # newest at the end: evicted last
 
     def _disarm_head_deadline(self) -> None:
@@ -220,11 +224,12 @@ class GuardedH11Protocol(H11Protocol):
 
     def _evict_oldest_awaiting(self, probe_only: bool) -> bool:
         """Abort the connection that has waited longest for its request among those on a
-        normal slot (``probe_only`` False) or in the probe headroom (True); it leaves
+        normal slot (``probe_only`` False) or in the probe headroom (True), preferring one
+        that has sent part of a request (a connection accepted in the same burst as a
+        flood, whose request the server has not read yet, is taken last); it leaves
         ``connections`` now, its socket at once. False when none such is waiting."""
-        for victim in list(self.awaiting):
-            if victim._probe_only != probe_only:
-                continue
+        waiting = [victim for victim in self.awaiting if victim._probe_only == probe_only]
+        for victim in sorted(waiting, key=lambda candidate: not candidate._partial):  # stable: oldest first
             victim._disarm_head_deadline()
             if victim.transport is None or victim.transport.is_closing():
                 continue  # already on its way out: it frees its slot by itself
