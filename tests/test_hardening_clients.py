@@ -81,3 +81,13 @@ def test_turn_state_counts_a_bounded_number_of_event_types():
     for index in range(1000):
         state.handle({"type": f"invented.{index}"})
     assert len(state.counts) <= 65 and sum(state.counts.values()) == 1000
+
+
+def test_an_open_ended_turn_state_keeps_no_growing_history():
+    state = TurnState(keep_audio=False)
+    delta = base64.b64encode(bytes(2 * OUTPUT_FRAME_SAMPLES)).decode()
+    for index in range(100):
+        state.handle({"type": "response.audio.delta", "frame_index": index, "delta": delta})
+        state.handle({"type": "response.text.delta", "delta": "word ", "text": "latest"})
+    assert (state.frames, state.audio_samples) == (100, 100 * OUTPUT_FRAME_SAMPLES)
+    assert state.audio == [] and state.spoken_text == "" and state.text == "latest"

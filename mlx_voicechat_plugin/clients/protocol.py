@@ -141,8 +141,9 @@ class TurnState:
 
     ``keep_audio`` (default True) stores every audio delta in ``audio`` (a turn of known
     length: the file client bounds it); an open-ended session (the microphone client) sets
-    it False and keeps only the counters ``audio_frames`` / ``audio_samples``, so a server
-    that sends audio for hours (or floods it) cannot grow the client's memory. ``counts``
+    it False and keeps only the counters ``audio_frames`` / ``audio_samples`` (and no
+    ``spoken_text``), so a server that sends audio or text deltas for hours (or floods them)
+    cannot grow the client's memory. ``counts``
     tracks at most :data:`MAX_COUNTED_TYPES` event types (the rest under ``"other"``).
     """
 
@@ -218,7 +219,8 @@ class TurnState:
         elif kind == "response.text.delta":
             delta = str(event.get("delta", ""))
             self.text = str(event.get("text", self.text + delta))
-            self.spoken_text += delta
+            if self.keep_audio:  # an open-ended session keeps no growing history
+                self.spoken_text += delta
             return TextDelta("assistant", int(event.get("frame_index", -1)), delta, self.text)
         elif kind == "response.function.delta":
             delta = str(event.get("delta", ""))
