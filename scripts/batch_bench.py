@@ -1,16 +1,21 @@
 """Benchmark the batched multi-session engine (issue #14): tick time versus sessions.
 
     .venv/bin/python scripts/batch_bench.py [--model CKPT | --preset medium] [--sessions 1 2 4 8]
-        [--frames 24] [--warmup 4] [--json out.json]
+        [--frames 24] [--warmup 4] [--repeats 1] [--json out.json]
 
-For each session count N it opens N sessions (different prompts and seeds), feeds each the
-bundled question (looped) one frame per tick, and reports the median and p90 tick time
-after ``--warmup`` ticks, the CPU time of a tick (all threads; less sensitive to other
-processes on a shared machine), the aggregate speed-up (N x one session's frame time / tick
-time), the real-time factor (tick / 80 ms) and the bytes of state one session keeps.
-For the largest N it also checks that every session's events (ids, codes, audio) equal
-the same session run alone. The machine's load (``uptime``) is printed: the CPU may be
-shared.
+For each session count N it opens N sessions (different prompts and seeds, so their KV
+caches have different lengths), feeds each the bundled question (looped) one frame per
+tick, and reports the median and p90 tick time after ``--warmup`` ticks, the CPU time of a
+tick (all threads; less sensitive to other processes on a shared machine), the aggregate
+speed-up (N x one session's frame time / tick time), tick / one session's frame (wall and
+CPU), the real-time factor (tick / 80 ms), the primitive operations and host
+synchronisations of one tick (counted on an extra, untimed tick with
+``mlx_voicechat_plugin.bench.graph.GraphCounter``), the bytes of state one session keeps and
+the active memory each extra session adds. With ``--repeats R`` the session counts run R
+times interleaved (1, 2, 4, 8, 1, 2, ...) in one process and each figure is the median over
+the repeats, so a change in the machine's load hits every count alike. For the largest N it
+also checks that every session's events (ids, codes, audio) equal the same session run
+alone. The machine's load (``uptime``) is printed: the CPU may be shared.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ def _audio(frames: int, shift: int) -> np.ndarray:
     from mlx_voicechat_plugin.runtime.audio_io import read_audio
 
     speech = read_audio(Path(__file__).resolve().parents[1] / "tests" / "data" / "question.wav", 16_000)
-    looped = np.tile(speech, 1 + (frames + shift + 1) * FRAME // len(speech))
+    looped = np.tile(speech, 2 + (frames + shift + 1) * FRAME // len(speech))
     return looped[shift * FRAME : (shift + frames) * FRAME]
 
 
@@ -61,11 +66,23 @@ def run(model, tokenizer, sessions: int, frames: int, warmup: int):
     base = mx.get_active_memory()
     # prompts prefilled at open: every timed tick is a frame tick
     ids = [engine.open(_options(index), incremental_prefill=False) for index in range(sessions)]
-    audio = [_audio(frames, index) for index in range(sessions)]
+    audio = [_audio(frames + 1, index) for index in range(sessions)]
     events = {session_id: [] for session_id in ids}
     ticks, cpu = [], []
     memory_after_warmup = None
-    for frame in range(frames):
+    for frame in range(frames + 1):
+        if frame == frames:  # one more tick, counted (the count walks the graph: untimed)
+            from mlx_voicechat_plugin.bench.graph import GraphCounter
+
+            for session_id, samples in zip(ids, audio):
+                engine.push_audio(session_id, samples[frame * FRAME : (frame + 1) * FRAME])
+            with GraphCounter() as counter:
+                results = engine.tick()
+                counted = counter.frame()
+            for session_id, result in results.items():
+                assert result.error is None, result.error
+                events[session_id] += result.events
+            break
         for session_id, samples in zip(ids, audio):
             engine.push_audio(session_id, samples[frame * FRAME : (frame + 1) * FRAME])
         start, start_cpu = time.perf_counter(), time.process_time()
@@ -84,6 +101,8 @@ def run(model, tokenizer, sessions: int, frames: int, warmup: int):
         "tick_median_ms": 1000 * statistics.median(timed),
         "tick_p90_ms": 1000 * sorted(timed)[int(0.9 * (len(timed) - 1))],
         "tick_cpu_median_ms": 1000 * statistics.median(cpu[warmup:]),
+        "primitives_per_tick": counted.primitives,
+        "host_syncs_per_tick": counted.evaluations,
         "state_mb_per_session": statistics.mean(state) / 2**20,
         "active_memory_mb": (memory_after_warmup - base) / 2**20,
     }, [events[session_id] for session_id in ids], audio
@@ -121,8 +140,11 @@ def main(argv=None) -> int:
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--frames", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every session count")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
+    if args.repeats < 1 or args.frames <= args.warmup or min(args.sessions) < 1:
+        parser.error("need --repeats >= 1, --frames > --warmup and session counts >= 1")
     from mlx_voicechat_plugin.loading import load
 
     if args.model:
@@ -136,18 +158,31 @@ def main(argv=None) -> int:
             build_checkpoint(path, args.preset, seed=0)
     model, tokenizer = load(path)
     print(f"model {path}; load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
-    rows, single, last = [], None, None
-    for sessions in args.sessions:
-        row, events, audio = run(model, tokenizer, sessions, args.frames, args.warmup)
-        if single is None and sessions == 1:
-            single = (row["tick_median_ms"], row["tick_cpu_median_ms"])
+    runs: dict[int, list[dict]] = {sessions: [] for sessions in args.sessions}
+    last = None
+    for repeat in range(args.repeats):
+        for sessions in args.sessions:
+            row, events, audio = run(model, tokenizer, sessions, args.frames, args.warmup)
+            runs[sessions].append(row)
+            last = (sessions, events, audio) if sessions == max(args.sessions) else last
+            if args.repeats > 1:
+                print(f"repeat {repeat + 1}: {sessions} sessions, tick {row['tick_median_ms']:.1f} ms", flush=True)
+    rows = [
+        {key: (statistics.median(r[key] for r in runs[sessions]) if key != "sessions" else sessions) for key in runs[sessions][0]}
+        for sessions in args.sessions
+    ]
+    single = next((row for row in rows if row["sessions"] == 1), None)
+    for row in rows:
         if single:
-            row["aggregate_speedup"] = sessions * single[0] / row["tick_median_ms"]
-            row["tick_over_one_session"] = row["tick_median_ms"] / single[0]
-            row["cpu_tick_over_one_session"] = row["tick_cpu_median_ms"] / single[1]
+            row["aggregate_speedup"] = row["sessions"] * single["tick_median_ms"] / row["tick_median_ms"]
+            row["tick_over_one_session"] = row["tick_median_ms"] / single["tick_median_ms"]
+            row["cpu_tick_over_one_session"] = row["tick_cpu_median_ms"] / single["tick_cpu_median_ms"]
+            row["primitives_over_one_session"] = row["primitives_per_tick"] / single["primitives_per_tick"]
+            if row["sessions"] > 1:
+                row["memory_mb_per_extra_session"] = (
+                    (row["active_memory_mb"] - single["active_memory_mb"]) / (row["sessions"] - 1)
+                )
         row["realtime_factor"] = row["tick_median_ms"] / 80.0
-        rows.append(row)
-        last = (sessions, events, audio)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     sessions, events, audio = last
     identical = True

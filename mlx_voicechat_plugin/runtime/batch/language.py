@@ -10,8 +10,8 @@ as rows of ``(B, 1, hidden)``:
 * ``M`` blocks (Mamba2) run once over all rows with the sessions' convolution and SSM
   states stacked into one ``ArraysCache`` and split back afterwards;
 * ``*`` blocks (attention): the query/key/value and output projections run once over all
-  rows; the cache update and the attention itself run per session with its own ``KVCache``
-  (the sessions' key lengths differ), as upstream ``NemotronHAttention.__call__`` does.
+  rows; each session's own ``KVCache`` takes its row, and one attention call covers all
+  rows, the keys of different lengths padded and masked (:func:`~.rows.padded_keys`).
 
 Every session must have used its caches already (a prefilled prompt or one frame): a
 fresh cache (``None`` state) or one whose mask is not ``None`` sends the whole step down the
@@ -23,6 +23,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_vlm.models.base import create_attention_mask, create_ssm_mask, scaled_dot_product_attention
 from mlx_vlm.models.cache import ArraysCache
+
+from .rows import padded_keys
 
 
 def _stackable(llm, caches: list[list], rows: list[mx.array]) -> bool:
@@ -60,17 +62,20 @@ def _mamba(mixer, x: mx.array, entries: list) -> mx.array:
 
 def _attention(attention, x: mx.array, entries: list) -> mx.array:
     """Upstream ``NemotronHAttention.__call__`` for ``B`` one-position rows: projections
-    over all rows, cache update and attention per session (row ``i`` with ``entries[i]``)."""
-    queries, keys, values = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
-    outputs = []
-    for row, cache in enumerate(entries):
-        q = queries[row : row + 1].reshape(1, 1, attention.num_heads, -1).transpose(0, 2, 1, 3)
-        k = keys[row : row + 1].reshape(1, 1, attention.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-        v = values[row : row + 1].reshape(1, 1, attention.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-        k, v = cache.update_and_fetch(k, v)
-        output = scaled_dot_product_attention(q, k, v, cache=cache, scale=attention.scale, mask=None)
-        outputs.append(output.transpose(0, 2, 1, 3).reshape(1, 1, -1))
-    return attention.o_proj(mx.concatenate(outputs, axis=0))
+    over all rows, each session's cache updated with its row (``entries[i]`` with row
+    ``i``), then one attention call over every row with the sessions' keys and values
+    zero-padded to the longest and masked (:func:`~.rows.padded_keys`; the same bits per
+    row as its own call on MLX's CPU backend, ``tests/test_batch_attention.py``)."""
+    sessions = len(entries)
+    queries = attention.q_proj(x).reshape(sessions, 1, attention.num_heads, -1).transpose(0, 2, 1, 3)
+    keys = attention.k_proj(x).reshape(sessions, 1, attention.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    values = attention.v_proj(x).reshape(sessions, 1, attention.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    fetched = [
+        cache.update_and_fetch(keys[row : row + 1], values[row : row + 1]) for row, cache in enumerate(entries)
+    ]
+    keys, values, mask = padded_keys(fetched)
+    output = scaled_dot_product_attention(queries, keys, values, cache=entries[0], scale=attention.scale, mask=mask)
+    return attention.o_proj(output.transpose(0, 2, 1, 3).reshape(sessions, 1, -1))
 
 
 def language_step(model, states: list, fused: mx.array) -> tuple[mx.array, mx.array]:

@@ -7,8 +7,10 @@ session's own mel window with its bookkeeping. Each chunk's encoder layers then 
 sessions at once, chunk by chunk ("rounds": a session's second chunk of a frame, if any,
 follows its first): the feed-forward modules, norms, key/value projections, pointwise
 convolutions, the depthwise convolution over the stacked windows and the batch norm run over
-the stacked ``(B, 1, d)`` rows; the attention runs per session over its own retained keys and
-values (:func:`~..streaming.conformer._attend`, upstream ``RelPositionMultiHeadAttention.stream``).
+the stacked ``(B, 1, d)`` rows; the attention (:func:`~..streaming.conformer._attend`,
+upstream ``RelPositionMultiHeadAttention.stream``) runs once per group of sessions whose
+windows hold the same number of frames (every session after ``left_context`` frames), over
+their stacked rows and retained keys and values.
 A round whose chunks are not one encoder frame each runs each session's own blocks.
 """
 
@@ -61,41 +63,75 @@ def _chunks(state, mel: mx.array) -> list[mx.array]:
     return rows
 
 
+def _stacked(arrays: list[mx.array]) -> mx.array:
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=0)
+
+
+def _attention(index: int, attention, states: list, xn: mx.array) -> mx.array:
+    """The self-attention of layer ``index`` over one row per session, ``(B, 1, d)``.
+
+    Sessions whose windows hold the same number of frames (all of them once every session
+    has run ``left_context`` frames, or when they joined together) share one
+    :func:`~..streaming.conformer._attend` call over their stacked rows, retained keys and
+    values and the same position embedding; each row is computed as alone (row-wise
+    products, per-row attention).
+    """
+    new_keys, new_values = attention.linear_k(xn), attention.linear_v(xn)
+    groups: dict[int, list[int]] = {}
+    for row, state in enumerate(states):
+        cache = state.attn_cache[index]
+        groups.setdefault(0 if cache is None else cache.shape[1], []).append(row)
+    pieces, order = [], []
+    for retained, members in groups.items():
+        whole = len(members) == len(states)
+        picked = None if whole else mx.array(members)
+        xn_rows = xn if whole else xn[picked]
+        keys = new_keys if whole else new_keys[picked]
+        values = new_values if whole else new_values[picked]
+        kv = xn_rows
+        if retained:
+            group = [states[row] for row in members]
+            kv = mx.concatenate([_stacked([state.attn_cache[index] for state in group]), xn_rows], axis=1)
+            keys = mx.concatenate([_stacked([state.key_cache[index] for state in group]), keys], axis=1)
+            values = mx.concatenate([_stacked([state.value_cache[index] for state in group]), values], axis=1)
+        first = states[members[0]]
+        pos_emb = first.encoder.pos_enc.pos_emb_for(kv.shape[1], xn.dtype)
+        pieces.append(_attend(attention, xn_rows, keys, values, pos_emb))
+        order += members
+        left = first.left_cache
+        for position, row in enumerate(members):
+            state = states[row]
+            one = slice(position, position + 1)
+            state.attn_cache[index] = kv[one, -left:] if left > 0 else kv[one, :0]
+            state.key_cache[index] = keys[one, -left:] if left > 0 else keys[one, :0]
+            state.value_cache[index] = values[one, -left:] if left > 0 else values[one, :0]
+    if len(pieces) == 1:
+        return pieces[0]
+    inverse = [0] * len(order)
+    for position, row in enumerate(order):
+        inverse[row] = position
+    return mx.concatenate(pieces, axis=0)[mx.array(inverse)]
+
+
 def _block(index: int, block, states: list, x: mx.array) -> mx.array:
     """``ProjectedStreamingState._block`` for layer ``index`` over one row per session."""
     residual = x + 0.5 * block.feed_forward1(block.norm_feed_forward1(x))
     xn = block.norm_self_att(residual)
-    attention = block.self_attn
-    new_keys, new_values = attention.linear_k(xn), attention.linear_v(xn)
-    attended = []
-    for row, state in enumerate(states):
-        xn_row = xn[row : row + 1]
-        keys, values = new_keys[row : row + 1], new_values[row : row + 1]
-        attn_cache = state.attn_cache[index]
-        kv = xn_row if attn_cache is None else mx.concatenate([attn_cache, xn_row], axis=1)
-        if attn_cache is not None:
-            keys = mx.concatenate([state.key_cache[index], keys], axis=1)
-            values = mx.concatenate([state.value_cache[index], values], axis=1)
-        pos_emb = state.encoder.pos_enc.pos_emb_for(kv.shape[1], x.dtype)
-        attended.append(_attend(attention, xn_row, keys, values, pos_emb))
-        left = state.left_cache
-        state.attn_cache[index] = kv[:, -left:] if left > 0 else kv[:, :0]
-        state.key_cache[index] = keys[:, -left:] if left > 0 else keys[:, :0]
-        state.value_cache[index] = values[:, -left:] if left > 0 else values[:, :0]
-    residual = residual + mx.concatenate(attended, axis=0)
+    residual = residual + _attention(index, block.self_attn, states, xn)
 
     xc = block.norm_conv(residual)
     g = nn.glu(block.conv.pointwise_conv1(xc), axis=-1)
-    windows = []
-    for row, state in enumerate(states):
-        conv_cache = state.conv_cache[index]
-        if conv_cache is None:
-            conv_cache = mx.zeros((1, state.conv_left, g.shape[2]), dtype=g.dtype)
-        windows.append(mx.concatenate([conv_cache, g[row : row + 1]], axis=1))
-    din = mx.concatenate(windows, axis=0)
+    left = states[0].conv_left
+    caches = [
+        state.conv_cache[index]
+        if state.conv_cache[index] is not None
+        else mx.zeros((1, left, g.shape[2]), dtype=g.dtype)
+        for state in states
+    ]
+    din = mx.concatenate([_stacked(caches), g], axis=1)
     dw = block.conv.depthwise_conv(din)
     for row, state in enumerate(states):
-        state.conv_cache[index] = din[row : row + 1, -state.conv_left :]
+        state.conv_cache[index] = din[row : row + 1, -left:]
     y = block.conv.batch_norm(dw)
     y = block.conv.activation(y)
     residual = residual + block.conv.pointwise_conv2(y)
