@@ -84,3 +84,20 @@ def test_sigterm_handler_is_restored_after_an_in_process_serve(monkeypatch):
         assert signal.getsignal(signal.SIGTERM) is sentinel
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_signal_during_the_exit_flush_does_not_escape_the_exit_path():
+    """A second SIGTERM while ``exit_process`` flushes (here: from a logging handler's
+    flush) raised Terminated out of it (traceback, status 1); now it is ignored."""
+    script = (
+        "import logging, os, signal\n"
+        "from mlx_voicechat_plugin.runtime.process_exit import exit_process, raise_on_sigterm\n"
+        "raise_on_sigterm()\n"
+        "class Flush(logging.Handler):\n"
+        "    def emit(self, record): pass\n"
+        "    def flush(self): os.kill(os.getpid(), signal.SIGTERM)\n"
+        "logging.getLogger().addHandler(Flush())\n"
+        "exit_process(7)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=ENV)
+    assert result.returncode == 7 and "Traceback" not in result.stderr, result.stderr

@@ -33,8 +33,10 @@ def exit_process(status: int) -> NoReturn:
     """Flush stdout, stderr and logging, then end the process now with ``status``.
 
     Only for command-line entry points, after their cleanup: ``atexit`` handlers and
-    ``finally`` blocks further up do not run.
+    ``finally`` blocks further up do not run. A further SIGINT / SIGTERM while flushing is
+    ignored (it would raise out of the exit path, e.g. :class:`Terminated` with a traceback).
     """
+    _ignore_stop_signals()
     try:
         logging.shutdown()
     except Exception:  # noqa: BLE001 - exiting anyway
@@ -45,6 +47,15 @@ def exit_process(status: int) -> NoReturn:
         except Exception:  # noqa: BLE001 - a closed pipe must not block the exit
             pass
     os._exit(status)
+
+
+def _ignore_stop_signals() -> None:
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 class Terminated(BaseException):
