@@ -40,3 +40,21 @@ def test_a_cancel_behind_a_full_inbox_is_answered_without_processing_the_queued_
     assert len(audio) <= APPEND_FRAMES, len(audio)
     assert events[-1]["frame_index"] == len(audio)
     assert waited < 10, waited
+
+
+def test_a_commit_before_the_cancel_still_flushes_the_audio_in_front_of_it(tiny, engine):
+    """Messages are handled in order: appends, commit, cancel -> the appends are processed
+    and flushed (response.done, close 1000); the cancel behind the commit does not drop them
+    (with read-ahead the cancel is read before the appends run)."""
+    settings = server_settings(tiny, max_queued_messages=2)
+    with ServerHandle(settings, engine) as server, server.connect() as client:
+        client.configure()
+        for index in range(3):
+            client.send(append(_speech(APPEND_FRAMES, index)))
+        client.send({"type": "input_audio_buffer.commit", "pad_partial": False})
+        client.send({"type": "session.cancel"})
+        events, code = client.until_closed(timeout=120)
+        server.wait_slot_free()
+    audio = [event for event in events if event["type"] == "response.audio.delta"]
+    assert events[-1]["type"] == "response.done" and code == 1000, (events[-2:], code)
+    assert len(audio) == 3 * APPEND_FRAMES, len(audio)

@@ -24,6 +24,7 @@ Hostile clients (``docs/protocol.md``, "Limits"):
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -73,10 +74,16 @@ class Connection:
         self.inbox_peak = 0
         # The client disconnected (or stopped reading): pending work is abandoned.
         self.gone = False
-        # Cancel messages read but not yet dispatched: an append stops at the next slice
-        # boundary while one is queued. A counter, not a flag, so that a cancel refused
-        # before session.update cannot cancel the session configured after it.
-        self.pending_cancels = 0
+        # Reading-order numbers of the cancel (and, in a dialect with cancels, commit)
+        # messages read but not yet dispatched: an append stops at the next slice boundary
+        # while a cancel is queued with no commit before it (:meth:`cancel_ahead`; a commit
+        # in front flushes that audio and ends the session first). Queues, not a flag, so
+        # that a cancel refused before session.update cannot cancel the session configured
+        # after it.
+        self._cancels_read: collections.deque[int] = collections.deque()
+        self._commits_read: collections.deque[int] = collections.deque()
+        self._read_seq = 0
+        self._dispatched_seq = 0
         self.connected_at = time.monotonic()
         self.last_message_at = self.connected_at
         # When the server last finished handling a message: a client waiting for the
@@ -158,8 +165,11 @@ class Connection:
                 except ProtocolError as error:
                     await self._enqueue(("error", error))
                     continue
+                self._read_seq += 1
                 if message["type"] in self.cancel_types:
-                    self.pending_cancels += 1
+                    self._cancels_read.append(self._read_seq)
+                elif self.cancel_types and message["type"] == "input_audio_buffer.commit":
+                    self._commits_read.append(self._read_seq)
                 await self._enqueue(("message", message), append_samples(message))
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.gone = True
@@ -170,6 +180,19 @@ class Connection:
         reading the socket, while the inbox budget it needs is spent."""
         await self.inbox.put(item, audio_samples)
         self.inbox_peak = max(self.inbox_peak, self.inbox.qsize())
+
+    @property
+    def pending_cancels(self) -> int:
+        """Cancel messages read but not yet dispatched."""
+        return len(self._cancels_read)
+
+    def cancel_ahead(self) -> bool:
+        """A cancel has been read that the handler reaches before any commit: the running
+        append stops at its next slice and queued ones are dropped (spec: cancel drops
+        pending audio)."""
+        if not self._cancels_read:
+            return False
+        return not (self._commits_read and self._commits_read[0] < self._cancels_read[0])
 
     def _wait_budget(self) -> tuple[float, str]:
         now = time.monotonic()
@@ -215,6 +238,10 @@ class Connection:
                 if kind == "error":
                     await self.send_error(value.code, value.message)
                     continue
+                self._dispatched_seq += 1  # "message" items are dispatched in reading order
+                for read in (self._cancels_read, self._commits_read):
+                    while read and read[0] <= self._dispatched_seq:
+                        read.popleft()
                 await self._dispatch(value)
                 self.handled_at = time.monotonic()
         except _Disconnected:
@@ -235,8 +262,6 @@ class Connection:
 
     async def _dispatch(self, message: dict) -> None:
         kind = message["type"]
-        if kind in self.cancel_types:
-            self.pending_cancels -= 1
         if kind == "session.ping":
             await self.send({"type": "session.pong"})
             return
@@ -278,8 +303,8 @@ class Connection:
             return
         frame = protocol.FRAME_SAMPLES
         for start in range(0, samples.shape[0], frame):
-            if self.pending_cancels > 0:
-                return  # the queued cancel is handled next
+            if self.cancel_ahead():
+                return  # the queued cancel is handled before any more audio
             if self.gone:
                 raise _Disconnected()
             reply = await self.engine.call("push", self.session_id, samples=samples[start : start + frame])
