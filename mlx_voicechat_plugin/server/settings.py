@@ -17,8 +17,10 @@ IDLE_TIMEOUT = 120.0
 #: Every send to a client must complete within this many seconds; a client that stops
 #: reading loses its session, its slot and its socket when it passes.
 SEND_TIMEOUT = 5.0
-#: Client messages read ahead while the server is busy (an append running); when full the
-#: server stops reading the socket (TCP backpressure) until the handler catches up.
+#: Client messages other than audio appends read ahead while the server is busy (an append
+#: running); when full the server stops reading the socket (TCP backpressure) until the
+#: handler catches up. Appends are read ahead up to ``max_session_seconds`` of audio
+#: (:mod:`.inbox`), so a cancel behind them is seen at once.
 MAX_QUEUED_MESSAGES = 64
 #: An HTTP request head (request line and headers, WebSocket upgrades included) must be
 #: complete within this many seconds of connecting or of the previous response.
