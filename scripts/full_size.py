@@ -9,7 +9,7 @@ from ``resource.getrusage``; keep them under the machine's free memory):
 
     python scripts/full_size.py load CKPT [--upstream]      # load time, RSS, pinning, peak
     python scripts/full_size.py stream CKPT --frames 8 [--offline-seconds 1 5]
-    python scripts/full_size.py offline CKPT --seconds 1 5   # offline turns
+    python scripts/full_size.py offline CKPT --seconds 1 5   # offline turns: stage times, peaks
     python scripts/full_size.py perception CKPT --minutes 1 2 [--upstream]
     python scripts/full_size.py project CKPT                 # bytes per frame, Apple table
 
@@ -102,16 +102,88 @@ def measure_stream(path: Path, frames: int, offline_seconds: list[float] | None 
     return result
 
 
+class _StageClock:
+    """Wall seconds of the offline turn's stages, from wrappers installed on the offline
+    runtime's module-level helpers (measurement only; the same values are computed).
+
+    perception: log-mel + encoder, evaluated; language / rnnt: their worker threads (they
+    overlap EAR-TTS); codec: the chunked decode; tts: the rest of the loop (EAR-TTS steps
+    and waits for language ids), from the end of perception to the start of the decode.
+    """
+
+    def __init__(self):
+        from mlx_voicechat_plugin.runtime import offline
+
+        self.module = offline
+        self.seconds: dict[str, float] = {}
+        self.marks: dict[str, float] = {}
+        self.saved = {}
+
+    def __enter__(self):
+        import mlx.core as mx
+
+        offline = self.module
+        for name, stage in (("_language_pass", "language"), ("greedy_transcript", "rnnt"),
+                            ("decode_chunked", "codec")):
+            self.saved[name] = getattr(offline, name)
+            setattr(offline, name, self._timed(self.saved[name], stage))
+        mel = offline.log_mel_spectrogram
+        self.saved["log_mel_spectrogram"] = mel
+
+        def timed_mel(*args, **kwargs):
+            self.marks["start"] = time.perf_counter()
+            return mel(*args, **kwargs)
+
+        offline.log_mel_spectrogram = timed_mel
+        self.saved["eval"] = offline.mx
+
+        class _Mx:  # the first eval after the mel is the perception's (audio/asr embeds)
+            def __getattr__(_, name):
+                return getattr(mx, name)
+
+            def eval(_, *arrays):
+                mx.eval(*arrays)
+                if "perception" not in self.seconds and "start" in self.marks:
+                    self.marks["perception_end"] = time.perf_counter()
+                    self.seconds["perception"] = self.marks["perception_end"] - self.marks["start"]
+
+        offline.mx = _Mx()
+        return self
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            setattr(self.module, "mx" if name == "eval" else name, value)
+
+    def _timed(self, function, stage):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            if stage == "codec" and "perception_end" in self.marks:
+                self.seconds["tts"] = start - self.marks["perception_end"]
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[stage] = time.perf_counter() - start
+
+        return wrapper
+
+
 def _offline_turns(model, tokenizer, seconds: list[float]) -> list[dict]:
+    import mlx.core as mx
     import numpy as np
 
     rng = np.random.default_rng(0)
     turns = []
     for length in seconds:
         samples = (0.05 * rng.standard_normal(round(length * 16000))).astype(np.float32)
+        mx.reset_peak_memory()
         start = time.perf_counter()
-        result = model.create_session(tokenizer).generate(samples, extra_decoding_seconds=0.0, seed=0)
-        turns.append({"input_s": length, "frames": result.frames, "wall_s": round(time.perf_counter() - start, 1)})
+        with _StageClock() as clock:
+            result = model.create_session(tokenizer).generate(samples, extra_decoding_seconds=0.0, seed=0)
+        turns.append({
+            "input_s": length, "frames": result.frames, "wall_s": round(time.perf_counter() - start, 1),
+            "stage_s": {stage: round(value, 2) for stage, value in clock.seconds.items()},
+            "mlx_peak_gb": mx.get_peak_memory() / 1e9, "peak_rss_gb": _peak_rss() / 1e9,
+        })
     return turns
 
 
