@@ -324,7 +324,9 @@ def matmul(a: mx.array, b: mx.array, bias: mx.array | None = None) -> mx.array:
 def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
     """``x @ weight.T`` (plus ``bias``) as :class:`mlx.nn.Linear` computes it, bit for bit.
 
-    Same as :func:`matmul` with ``b = weight.T``, without building the transpose.
+    Same as :func:`matmul` with ``b = weight.T``, without building the transpose; also for
+    float32 ``x`` against a bfloat16/float16 ``weight`` without bias (MLX promotes that
+    product to float32: the result is float32, bit for bit ``x @ weight.T``).
 
     Args:
         x: ``(..., K)``.
@@ -335,7 +337,13 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
         bias.ndim != 1 or bias.dtype != x.dtype or weight.ndim != 2 or bias.shape[0] != weight.shape[0]
     ):
         return _reference(x, weight.T, bias)
-    if weight.ndim == 2 and x.ndim >= 1 and x.dtype == weight.dtype and x.dtype in _SUPPORTED and _use("matmul", x.dtype, _rows(x)):
+    # float32 activations against 16-bit weights (no bias): MLX widens the weights exactly
+    # and multiplies in float32; so does the kernel (one product, not a cast then a product)
+    mixed = bias is None and x.dtype == mx.float32 and weight.dtype in (mx.bfloat16, mx.float16)
+    if (
+        weight.ndim == 2 and x.ndim >= 1 and (x.dtype == weight.dtype or mixed) and x.dtype in _SUPPORTED
+        and _use("matmul", x.dtype, _rows(x))
+    ):
         return _state["module"].exact_matmul(x, weight, bias, True)
     return _reference(x, weight.T, bias)
 

@@ -1,7 +1,8 @@
 // Exact CPU kernels for MLX: each computes what one MLX operation computes, in the same
 // order and with the same roundings, so its results are bit-identical, only faster.
 //
-// exact_matmul: the matrix product.
+// exact_matmul: the matrix product (also float32 activations against 16-bit weights: MLX
+// widens the weights to float32 exactly and multiplies in float32; so does the kernel).
 //
 // MLX's CPU matmul hands float32 products to the reference BLAS sgemm and runs bfloat16 /
 // float16 products through its own simd_gemm (simd width 1 off Apple silicon). Both compute
@@ -157,11 +158,14 @@ inline float widen(T x) {
 
 // out (M x N, float32, row-major) = a (M x K, row-contiguous) . b, with b(k, n) at
 // b[k * sbk + n * sbn]. Every output is the in-order float32 sum over k.
-template <typename T>
-void product(const T* a, const T* b, long M, long N, long K, long sbk, long sbn, float* out) {
+// TA / TB: the element types of a and b (equal, or a float32 with b a 16-bit float: MLX
+// promotes that product to float32, widening b exactly, and sums as for float32).
+template <typename TA, typename TB = TA>
+void product(const TA* a, const TB* b, long M, long N, long K, long sbk, long sbn, float* out) {
+  using T = TB;
   float* const panel = scratch(kPanelScratch, static_cast<size_t>(std::max<long>(K, 1)) * kPanel);
   const float* a32 = nullptr;
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<TA, float>) {
     a32 = a;
   } else {
     float* rows = scratch(kRowsScratch, static_cast<size_t>(M) * K);
@@ -241,6 +245,23 @@ void run(const mx::array& a, const mx::array& b, bool transposed, const mx::arra
   if constexpr (!std::is_same_v<T, float>) {
     for (long i = 0; i < M * N; ++i) po[i] = T(result[i]);
   }
+}
+
+// a float32 (M x K) times a 16-bit float b, no bias: out float32, as mx.matmul promotes it.
+template <typename TB>
+void run_mixed(const mx::array& a, const mx::array& b, bool transposed, mx::array& out, long M, long N,
+               long K) {
+  const float* pa = row_contiguous<float>(a);
+  const TB* pb = b.data<TB>();
+  const long sbk = transposed ? b.strides()[1] : b.strides()[0];
+  const long sbn = transposed ? b.strides()[0] : b.strides()[1];
+  float* result = out.data<float>();
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    std::fill(result, result + M * N, 0.0f);
+    return;
+  }
+  product<float, TB>(pa, pb, M, N, K, sbk, sbn, result);
 }
 
 // Derivatives: every kernel differentiates as the MLX computation it replaces.
@@ -403,6 +424,13 @@ class ExactMatmul : public CpuKernel {
                       transposed = transposed_, out = mx::array::unsafe_weak_copy(out), M, N,
                       K, batched]() mutable {
       const mx::array* bias = has_bias ? &c : nullptr;
+      if (a.dtype() != b.dtype()) {  // float32 a, 16-bit b (exact_matmul checked it)
+        dispatch_float(b.dtype(), "exact_matmul", [&](auto tag) {
+          using TB = decltype(tag);
+          if constexpr (!std::is_same_v<TB, float>) run_mixed<TB>(a, b, transposed, out, M, N, K);
+        });
+        return;
+      }
       dispatch_float(out.dtype(), "exact_matmul", [&](auto tag) {
         using T = decltype(tag);
         if (batched) {
@@ -499,10 +527,15 @@ mx::array exact_matmul(const mx::array& a, const mx::array& b, std::optional<mx:
         "exact_matmul: inner dimensions differ (" + std::to_string(a.shape(-1)) + " vs " +
         std::to_string(inner) + ")");
   }
-  if (a.dtype() != b.dtype() ||
+  const bool mixed = a.dtype() == mx::float32 && (b.dtype() == mx::bfloat16 || b.dtype() == mx::float16);
+  if ((a.dtype() != b.dtype() && !mixed) ||
       (a.dtype() != mx::float32 && a.dtype() != mx::bfloat16 && a.dtype() != mx::float16)) {
     throw std::invalid_argument(
-        "exact_matmul: a and b must share one of float32, bfloat16, float16");
+        "exact_matmul: a and b must share one of float32, bfloat16, float16 (or a float32 "
+        "with b bfloat16/float16)");
+  }
+  if (mixed && (batched || bias.has_value())) {
+    throw std::invalid_argument("exact_matmul: a float32 a with a 16-bit b takes a 2-D b and no bias");
   }
   mx::Stream stream = cpu_stream("exact_matmul");
   std::vector<mx::array> inputs = {a, b};
