@@ -38,6 +38,19 @@ def _still_open(sock: socket.socket) -> bool:
         return False
 
 
+def _drained_to_eof(sock: socket.socket) -> bool:
+    """Read what the server sent; True once it has closed the socket (EOF or reset)."""
+    sock.settimeout(0.3)
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def test_probes_and_sessions_are_served_through_a_half_sent_header_flood(tiny, engine):
     cap = 8
     flood_size = cap + PROBE_HEADROOM + 6
@@ -99,3 +112,32 @@ def test_eviction_prefers_connections_that_sent_part_of_a_request(tiny, engine):
         for sock in [silent, *partial, newcomer]:
             sock.close()
     assert states == [True, False, True, True], states
+
+
+def _upgrade_and_ignore(port: int) -> socket.socket:
+    """A WebSocket upgrade whose client never reads or answers (the close frame included)."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(
+        b"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    return sock
+
+
+def test_websockets_closed_by_the_server_do_not_hold_slots_while_the_peer_ignores_the_close(tiny, engine):
+    """Upgrades answered server_busy + close 1013 whose client never answers the close held
+    their slots for about 10 s (64 of them kept every new client out); they are evicted
+    first now, while the active session is never evicted."""
+    settings = server_settings(tiny, max_connections=3, header_timeout=30)
+    with ServerHandle(settings, engine) as server, server.connect() as client:
+        client.configure()  # holds the session slot (and a connection slot)
+        ignoring = [_upgrade_and_ignore(server.port) for _ in range(2)]
+        time.sleep(0.5)  # both answered server_busy and closed by the server
+        status, _ = http("GET", server.http_url("/v1/models"))
+        evicted = [_drained_to_eof(sock) for sock in ignoring]
+        pong = client.ping_roundtrip()
+        for sock in ignoring:
+            sock.close()
+    assert status == 200, status  # a normal slot, not the probe-only headroom (503)
+    assert evicted[0], evicted  # the oldest closed socket made room
+    assert pong == []  # the session is untouched

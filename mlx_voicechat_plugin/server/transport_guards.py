@@ -254,7 +254,26 @@ class GuardedH11Protocol(H11Protocol):
 
 class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's ``websockets`` sans-I/O protocol with a bounded pong backlog, close code
-    1001 on shutdown, a bounded closing handshake and the :data:`ABORT_EXTENSION`."""
+    1001 on shutdown, a bounded closing handshake and the :data:`ABORT_EXTENSION`.
+
+    A socket the application has closed (``server_busy`` + 1013, a finished session) only
+    waits for the peer's close frame: it joins the HTTP protocol's eviction queue
+    (``awaiting``, shared by :func:`protocol_classes`), first in line, so upgrades that never
+    answer the close cannot hold the connection slots either.
+    """
+
+    awaiting: collections.OrderedDict = collections.OrderedDict()
+    _probe_only = False  # eviction-queue attributes shared with GuardedH11Protocol
+    _partial = True
+
+    def _disarm_head_deadline(self) -> None:
+        self.awaiting.pop(self, None)
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_head_deadline()
+        if self not in self.connections:  # evicted: already discarded, uvicorn removes it again
+            self.connections.add(self)
+        super().connection_lost(exc)
 
     def handle_connect(self, event) -> None:
         super().handle_connect(event)
@@ -289,6 +308,8 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     async def send(self, message) -> None:
         await super().send(message)
         if message.get("type") == "websocket.close":
+            if self.transport is not None and not self.transport.is_closing():
+                self.awaiting[self] = None  # only the peer's close reply is awaited
             # uvicorn waits close_timeout (10 s) for the peer's close frame, then closes,
             # and a close waits for the write buffer to drain: bound both.
             self.loop.call_later(CLOSE_GRACE_SECONDS, self._abort_if_unread)
@@ -311,4 +332,5 @@ def protocol_classes(header_timeout: float, max_connections: int, probe_paths=()
             "awaiting": collections.OrderedDict(),  # this server's eviction queue
         },
     )
-    return http, GuardedWebSocketProtocol
+    ws = type("VoiceChatWebSocketProtocol", (GuardedWebSocketProtocol,), {"awaiting": http.awaiting})
+    return http, ws
