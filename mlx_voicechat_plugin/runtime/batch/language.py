@@ -65,7 +65,7 @@ def _attention(attention, x: mx.array, entries: list) -> mx.array:
     over all rows, each session's cache updated with its row (``entries[i]`` with row
     ``i``), then one attention call over every row with the sessions' keys and values
     zero-padded to the longest and masked (:func:`~.rows.padded_keys`; the same bits per
-    row as its own call on MLX's CPU backend, ``tests/test_batch_attention.py``)."""
+    row as its own call on MLX's CPU backend, ``tests/test_batch_rows.py``)."""
     sessions = len(entries)
     queries = attention.q_proj(x).reshape(sessions, 1, attention.num_heads, -1).transpose(0, 2, 1, 3)
     keys = attention.k_proj(x).reshape(sessions, 1, attention.num_key_value_heads, -1).transpose(0, 2, 1, 3)

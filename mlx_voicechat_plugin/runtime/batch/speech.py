@@ -72,7 +72,7 @@ def draw_noise_rows(tts, seeds: list[int]) -> tuple[list[tuple[mx.array, mx.arra
 
     MLX's global draw (``mx.random.uniform(shape)`` without a key) splits the global key
     into ``(next key, subkey)`` and draws from the subkey; drawing from explicit subkeys
-    split the same way gives the same bits (``tests/test_batch_noise.py``). Here the
+    split the same way gives the same bits (``tests/test_batch_rows.py``). Here the
     sessions' keys are stacked ``(B, 2)`` uint32 and split with ``vmap`` (one split per
     draw for all rows), and each draw kind of every iteration and row comes from one
     ``vmap``-ed call: no host round trip and about the same number of operations for any
@@ -202,7 +202,7 @@ def _attention(layer, x, caches: list, layer_index: int, window: int, pattern: i
     sessions' keys and values (lengths ``T_i``) are zero-padded on the right to the longest
     and a boolean mask hides the padding (no mask when all lengths are equal). On MLX's
     CPU backend a one-query attention over right-padded, masked keys gives each row the
-    same bits as over its own keys (``tests/test_batch_attention.py``). When a session's
+    same bits as over its own keys (``tests/test_batch_rows.py``). When a session's
     own call needs a mask (its sliding window is shorter than its cache), the layer runs
     per group of sessions at the same position (:func:`_attention_grouped`).
     """
