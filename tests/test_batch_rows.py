@@ -125,3 +125,22 @@ def test_a_batched_tick_costs_about_one_frame_of_operations(models, speech_16k):
     four = _tick_counts(model, tokenizer, 4, speech_16k)
     assert one.evaluations == 2 and four.evaluations == 2
     assert four.primitives <= 1.5 * one.primitives, (one.primitives, four.primitives)
+
+
+def test_grouped_attention_fallback_equals_solo_runs(models, speech_16k, monkeypatch):
+    """The per-group EAR-TTS attention (used when a session's own call needs a sliding-window
+    mask, past 7500 frames) also gives every session its solo events."""
+    from mlx_voicechat_plugin.runtime.batch import speech
+
+    from .test_batch_engine import run_batched, solo
+    from .test_streaming import _comparable as comparable
+
+    model, tokenizer, *_ = models("tiny")
+    monkeypatch.setattr(speech, "_attention", speech._attention_grouped)
+    inputs = [
+        (speech_16k[: 5 * FRAME], StreamingOptions(system_prompt="Be brief.", seed=1), 0),
+        (speech_16k[FRAME : 5 * FRAME], StreamingOptions(system_prompt="Be brief.", seed=2), 0),
+        (speech_16k[2 * FRAME : 6 * FRAME], StreamingOptions(system_prompt=None, seed=3), 1),
+    ]
+    for (samples, options, _), events in zip(inputs, run_batched(model, tokenizer, inputs)):
+        assert comparable(events) == comparable(solo(model, tokenizer, samples, options))
