@@ -272,8 +272,11 @@ def test_tts_condition_memo_is_exact_and_committed_after_evaluation(models):
     from mlx_vlm.models.nemotron_voicechat.tts import RVQEARTTSModel
 
     ours, tokenizer, *_ = models("tiny")
-    ours.create_session(tokenizer)  # sets the vocabulary (and clears the memo)
+    ours.create_session(tokenizer)  # sets the vocabulary
     tts = ours.tts_model.tts_model
+    # The vocabulary is set once per model and tokenizer, so an earlier test's turns on this
+    # shared model may have left conditions in the memo: setting it again drops them.
+    tts.set_vocabulary(tokenizer.get_vocab())
     ids = mx.array([[5]], dtype=mx.int32)
     mask = mx.ones(ids.shape, dtype=mx.bool_)
     expected = RVQEARTTSModel._condition(tts, ids, mask, 1, True)
