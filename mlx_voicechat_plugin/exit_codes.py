@@ -7,7 +7,8 @@
   or not audio, a bad output path, a ``--model`` that is not a VoiceChat checkpoint;
 * ``3`` -- the server is busy with another session (``server_busy``, close 1013): retry later
   (clients only);
-* ``130`` -- interrupted (Ctrl-C) before the result was written.
+* ``130`` -- interrupted (Ctrl-C) before the result was written;
+* ``143`` -- ``serve`` only: stopped by SIGTERM (open sessions are closed with 1001 first).
 
 This module imports nothing, so commands can report usage errors before heavy imports.
 """
@@ -19,12 +20,15 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_BUSY = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 #: ``--help`` epilog of the model commands (``generate``, ``serve``, ``demo``).
 EXIT_STATUS_HELP = (
     f"exit status: {EXIT_OK} done, {EXIT_FAILURE} failure, {EXIT_USAGE} usage or input error, "
     f"{EXIT_INTERRUPTED} interrupted"
 )
+#: ``--help`` epilog of ``serve``, which also exits on SIGTERM.
+SERVE_EXIT_STATUS_HELP = f"{EXIT_STATUS_HELP}, {EXIT_TERMINATED} stopped by SIGTERM"
 #: ``--help`` epilog of the clients, which also report a busy server.
 CLIENT_EXIT_STATUS_HELP = (
     f"exit status: {EXIT_OK} done, {EXIT_FAILURE} failure, {EXIT_USAGE} usage or input error, "

@@ -184,6 +184,15 @@ def test_the_same_mistake_exits_2_before_heavy_imports(tmp_path, argv, words):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_serve_help_lists_every_status_serve_exits_with():
+    """``serve --help`` names 143 (SIGTERM) besides the shared statuses (README table)."""
+    from mlx_voicechat_plugin.server.cli import build_parser
+
+    text = " ".join(build_parser("mlx-voicechat serve").format_help().split())
+    for status in ("0 done", "1 failure", "2 usage or input error", "130 interrupted", "143 stopped by SIGTERM"):
+        assert status in text, text
+
+
 def test_file_client_uses_the_same_table(tmp_path):
     from mlx_voicechat_plugin.clients import file as file_client
 

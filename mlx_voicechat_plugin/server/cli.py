@@ -14,7 +14,7 @@ import os
 import sys
 
 from ..cli.compat import SERVER_FLAGS, add_mlx_vlm_options, ignored_note
-from ..exit_codes import EXIT_FAILURE, EXIT_OK, EXIT_STATUS_HELP, EXIT_USAGE
+from ..exit_codes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, SERVE_EXIT_STATUS_HELP
 from .settings import (
     HEADER_TIMEOUT,
     IDLE_TIMEOUT,
@@ -74,7 +74,7 @@ def _check_bind(host: str, port: int) -> str | None:
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Serve NemotronLabs VoiceChat over the realtime WebSocket /v1/realtime.", epilog=EXIT_STATUS_HELP)
+    parser = argparse.ArgumentParser(prog=prog, description="Serve NemotronLabs VoiceChat over the realtime WebSocket /v1/realtime.", epilog=SERVE_EXIT_STATUS_HELP)
     parser.add_argument("--model", "-m", default=None, help="checkpoint directory (default: the built-in tiny demo checkpoint)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 to listen on all interfaces)")
     parser.add_argument("--port", type=_port, default=8080, help="port (default 8080)")
