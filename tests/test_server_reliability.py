@@ -334,6 +334,11 @@ def test_repeated_accept_errors_are_logged_once_per_interval():
     late = record()
     assert limiter.filter(late)
     assert "999 similar messages suppressed" in late.getMessage() and late.exc_info is None
+    limiter.filter(record())  # one dropped in the next interval: the singular
+    now[0] = 21.0
+    single = record()
+    assert limiter.filter(single)
+    assert "(1 similar message suppressed" in single.getMessage()
 
 
 @pytest.mark.parametrize("seconds", [1e-320, 0.079])

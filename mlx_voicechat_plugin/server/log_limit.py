@@ -50,7 +50,8 @@ class RateLimitFilter(logging.Filter):
             self._last[kind] = now
             dropped = self._dropped.pop(kind, 0)
         if dropped:
-            record.msg = f"{record.msg} ({dropped} similar messages suppressed in the last {self.interval:g} s)"
+            noun = "message" if dropped == 1 else "messages"
+            record.msg = f"{record.msg} ({dropped} similar {noun} suppressed in the last {self.interval:g} s)"
             record.exc_info = None
             record.exc_text = None
         return True
