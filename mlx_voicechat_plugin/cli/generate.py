@@ -54,10 +54,10 @@ def build_parser(prog: str = "mlx-voicechat generate") -> argparse.ArgumentParse
                         help="checkpoint directory or downloaded hub id (default: the "
                         "built-in tiny demo checkpoint, built once and cached)")
     parser.add_argument("--audio", nargs="+", default=None, metavar="PATH",
-                        help="the user's speech (WAV/FLAC/OGG, any rate and channel count); exactly one "
+                        help="the user's speech (WAV/FLAC/OGG/AIFF, any rate and channel count); exactly one "
                         "file, one user turn (the flag takes a list only for mlx-vlm compatibility)")
     parser.add_argument("--output-audio", "--output", dest="output_audio", default=None,
-                        metavar="PATH", help="where to write the spoken answer (.wav)")
+                        metavar="PATH", help="required: where to write the spoken answer (.wav)")
     parser.add_argument("-p", "--prompt", nargs="+", default=None,
                         help="system prompt (default: none)")
     parser.add_argument("--system", default=None, help="system prompt (mlx-vlm spelling)")

@@ -35,7 +35,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     build.add_argument("output", metavar="OUTPUT", help="directory to create (must not exist, see --overwrite)")
     build.add_argument(
         "--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
-        help=f"model size (default {DEFAULT_PRESET}): tiny builds in about a second and is what "
+        help=f"model size (default {DEFAULT_PRESET}): tiny builds in a few seconds (imports included) and is what "
         "commands use without --model; small and medium are for benchmarks; real-layout has the "
         "published depths, head sizes, buffer dtypes and 131,072-token tokenizer at tiny widths; "
         "full is the published 11B configuration (random weights, about 22 GB bf16, minutes to build)",
