@@ -1,9 +1,9 @@
 """``python -m mlx_voicechat_plugin.bench``: ours vs upstream in one process, same weights.
 
-Example (the committed ``docs/performance.md`` run)::
+Example (``make bench``, which rewrites ``docs/performance-results.md``)::
 
     python -m mlx_voicechat_plugin.bench --presets small medium --bits bf16 4 \\
-        --repeats 3 --json artifacts/bench.json --markdown docs/performance.md \\
+        --repeats 3 --json artifacts/bench.json --markdown docs/performance-results.md \\
         --plot docs/stage_times.png
 """
 
@@ -19,7 +19,9 @@ import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlx_voicechat_plugin.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mlx_voicechat_plugin.bench", description=(
+        "Measure ours against upstream in one process, on the same weights: per-frame time, "
+        "stage times, host syncs, offline time versus length, memory, the bandwidth floor."))
     parser.add_argument("--presets", nargs="*", default=["small", "medium"],
                         help="demo presets to build and measure (none: only --model)")
     parser.add_argument("--bits", nargs="+", default=["bf16", "4"], help="bf16 and/or 4 / 8")
