@@ -10,6 +10,7 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+	@echo "installing dependencies into $(VENV) (about 1.2 GB, a few minutes) ..."
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev,server]'
 	touch $(STAMP)
@@ -29,4 +30,4 @@ bench: $(STAMP)
 		--json artifacts/bench.json --markdown docs/performance-results.md --plot docs/stage_times.png
 
 clean:
-	rm -rf $(VENV) answer.wav response.wav response_ws.wav demo-ckpt demo-small artifacts .pytest_cache .hypothesis
+	rm -rf $(VENV) answer.wav response.wav response_vlm.wav response_ws.wav demo-ckpt demo-small artifacts .pytest_cache .hypothesis

@@ -377,7 +377,7 @@ def build(cache: Path | None = None, isa: str | None = None) -> Path:
                 started = time.monotonic()
                 progress().info(
                     "[native] compiling the exact CPU kernels for this machine (%s variant; "
-                    "once per machine and MLX version, usually 10-30 s)...", inputs.get("isa", "default"))
+                    "once per machine and MLX version, usually 10-40 s)...", inputs.get("isa", "default"))
                 _compile(inputs, target)
                 progress().info("[native] compiled in %.1f s", time.monotonic() - started)
                 target.with_name(target.name + ".sha256").write_text(_digest(target) + "\n")
