@@ -11,8 +11,10 @@ Hostile clients (``docs/protocol.md``, "Limits"):
 
 * every send (and the close frame) must complete within ``send_timeout`` seconds; a client
   that stops reading loses its session, its slot and its socket (aborted) when it passes;
-* the inbox (:class:`~.inbox.Inbox`) holds appends up to ``max_session_seconds`` of audio
-  and at most ``max_queued_messages`` other messages; when the budget a message needs is
+* the inbox (:class:`~.inbox.Inbox`) holds the text of queued frames up to the base64 size
+  of ``max_session_seconds`` of audio (about 25.6 MB; every frame counts its bytes, whatever
+  its fields), appends up to ``max_session_seconds`` of audio and at most
+  ``max_queued_messages`` other messages; when the budget a message needs is
   spent the reader stops reading the socket (uvicorn pauses the transport, TCP pushes back
   on the client) until the handler catches up -- a flood is throttled, never buffered.
   Because appends are read ahead, a cancel sent behind queued audio is seen at once: the
@@ -33,7 +35,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol
 from .engine import RealtimeEngine
-from .inbox import Inbox, append_samples
+from .inbox import Inbox, append_samples, held_bytes
 from .protocol import (
     INFERENCE_ERROR,
     INVALID_REQUEST,
@@ -170,15 +172,25 @@ class Connection:
                     self._cancels_read.append(self._read_seq)
                 elif self.cancel_types and message["type"] == "input_audio_buffer.commit":
                     self._commits_read.append(self._read_seq)
-                await self._enqueue(("message", message), append_samples(message))
+                # the frame text is queued (parsed again when handled): what a queued
+                # message holds is its wire size, whatever fields it carries
+                samples = self.append_samples(message)
+                del message
+                await self._enqueue(("message", text), samples, held_bytes(text))
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.gone = True
         await self._enqueue(("disconnect", None))
 
-    async def _enqueue(self, item: tuple, audio_samples: int = 0) -> None:
-        """Queue one item (an append with its ``audio_samples``); waits, and so stops
-        reading the socket, while the inbox budget it needs is spent."""
-        await self.inbox.put(item, audio_samples)
+    def append_samples(self, message: dict) -> int:
+        """16 kHz samples an append carries, for the inbox's audio budget (0 for any other
+        message); a dialect with other input formats overrides it."""
+        return append_samples(message)
+
+    async def _enqueue(self, item: tuple, audio_samples: int = 0, nbytes: int = 0) -> None:
+        """Queue one item (an append with its ``audio_samples``, a frame with its text's
+        ``nbytes``); waits, and so stops reading the socket, while the inbox budget it needs
+        is spent."""
+        await self.inbox.put(item, audio_samples, nbytes)
         self.inbox_peak = max(self.inbox_peak, self.inbox.qsize())
 
     @property
@@ -238,6 +250,7 @@ class Connection:
                 if kind == "error":
                     await self.send_error(value.code, value.message)
                     continue
+                value = protocol.parse_message(value)  # parsed once already by the reader
                 self._dispatched_seq += 1  # "message" items are dispatched in reading order
                 for read in (self._cancels_read, self._commits_read):
                     while read and read[0] <= self._dispatched_seq:
@@ -293,6 +306,7 @@ class Connection:
             await self.send_error(SESSION_INITIALIZATION_FAILED, reply.error.message)
             return
         self.configured = True
+        self.inbox.limit_audio(config.max_streaming_seconds)  # read ahead at most the session's audio
         await self.send(protocol.session_updated(self.session_id, self.settings.model_id))
 
     async def _append(self, message: dict) -> None:

@@ -20,7 +20,7 @@ from .. import protocol
 from ..connection import Connection, _Disconnected
 from ..log_limit import RateLimitFilter
 from . import fields, session_config
-from .audio import AudioFormatError, InputAudio
+from .audio import FORMAT_RATES, AudioFormatError, InputAudio
 from .errors import SERVER_ERROR, RealtimeError, error_event
 from .session_config import SessionConfig
 from .timeline import Timeline, frames_from_events, rms
@@ -52,6 +52,19 @@ class OpenAIConnection(Connection):
         self.client_items = 0  # conversation.item.create events accepted (ids are kept)
         self.input = InputAudio(self.config.input_format)
         self.pending = np.zeros(0, np.float32)  # 16 kHz samples not yet a whole frame
+
+    def append_samples(self, message: dict) -> int:
+        """16 kHz samples an append carries in the input format in effect when it is read
+        (``audio/pcm``: 24 kHz PCM16, 2 bytes a sample; G.711: 8 kHz, 1 byte a sample), from
+        its base64 length without decoding it; 0 for any other message. Without it G.711
+        appends counted a quarter of their length against the inbox's audio budget."""
+        audio = message.get("audio") if message.get("type") == "input_audio_buffer.append" else None
+        if not isinstance(audio, str):
+            return 0
+        fmt = self.config.input_format
+        rate = FORMAT_RATES.get(fmt, 16_000)
+        sample_bytes = 2 if fmt == "audio/pcm" else 1
+        return len(audio) * 3 // 4 // sample_bytes * 16_000 // rate
 
     # ------------------------------------------------------------------ shape
     def greeting(self) -> dict:
