@@ -259,7 +259,9 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     A socket the application has closed (``server_busy`` + 1013, a finished session) only
     waits for the peer's close frame: it joins the HTTP protocol's eviction queue
     (``awaiting``, shared by :func:`protocol_classes`), first in line, so upgrades that never
-    answer the close cannot hold the connection slots either.
+    answer the close cannot hold the connection slots either. An upgrade refused with a
+    denial response (401/403) counts as a finished handshake, so uvicorn does not log it as
+    an application error.
     """
 
     awaiting: collections.OrderedDict = collections.OrderedDict()
@@ -307,6 +309,12 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
 
     async def send(self, message) -> None:
         await super().send(message)
+        if message.get("type") == "websocket.http.response.body" and self.close_sent:
+            # A refused upgrade's denial response (401/403) is on the wire: the handshake is
+            # over. uvicorn 0.54's sans-I/O protocol leaves it "incomplete" and logs
+            # "ASGI callable returned without completing handshake." at ERROR after every
+            # refusal (wsproto's marks it done; uvicorn pull request 3138).
+            self.handshake_complete = True
         if message.get("type") == "websocket.close":
             if self.transport is not None and not self.transport.is_closing():
                 self.awaiting[self] = None  # only the peer's close reply is awaited
