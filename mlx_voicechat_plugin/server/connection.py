@@ -168,10 +168,7 @@ class Connection:
                     await self._enqueue(("error", error))
                     continue
                 self._read_seq += 1
-                if message["type"] in self.cancel_types:
-                    self._cancels_read.append(self._read_seq)
-                elif self.cancel_types and message["type"] == "input_audio_buffer.commit":
-                    self._commits_read.append(self._read_seq)
+                self._note_read(message)
                 # the frame text is queued (parsed again when handled): what a queued
                 # message holds is its wire size, whatever fields it carries
                 samples = self.append_samples(message)
@@ -180,6 +177,14 @@ class Connection:
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.gone = True
         await self._enqueue(("disconnect", None))
+
+    def _note_read(self, message: dict) -> None:
+        """Bookkeeping for a message just read (number ``self._read_seq``), before it is
+        queued: cancels and commits in reading order (see :meth:`cancel_ahead`)."""
+        if message["type"] in self.cancel_types:
+            self._cancels_read.append(self._read_seq)
+        elif self.cancel_types and message["type"] == "input_audio_buffer.commit":
+            self._commits_read.append(self._read_seq)
 
     def append_samples(self, message: dict) -> int:
         """16 kHz samples an append carries, for the inbox's audio budget (0 for any other

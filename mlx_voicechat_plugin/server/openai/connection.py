@@ -12,6 +12,7 @@ each frame's model output goes through :class:`.timeline.Timeline`.
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import numpy as np
@@ -42,6 +43,11 @@ class OpenAIConnection(Connection):
 
     cancel_types = frozenset()  # response.cancel is barge-in here, not the end of an append
 
+    #: Longest ``response_id`` / ``event_id`` a ``response.cancel`` may carry to be answered
+    #: ahead of the audio queued in front of it (longer ones wait their turn: what is kept
+    #: aside per cancel stays small).
+    EARLY_CANCEL_ID_CHARS = 256
+
     def __init__(self, websocket, engine, settings):
         super().__init__(websocket, engine, settings)
         self.config = SessionConfig()
@@ -52,6 +58,12 @@ class OpenAIConnection(Connection):
         self.client_items = 0  # conversation.item.create events accepted (ids are kept)
         self.input = InputAudio(self.config.input_format)
         self.pending = np.zeros(0, np.float32)  # 16 kHz samples not yet a whole frame
+        # response.cancel messages read but not yet answered, as (reading number, message):
+        # answered before the next frame goes through the model (:meth:`_cancel_early`), so a
+        # cancel behind queued appends ends the response at once; numbers answered that way
+        # are skipped when the handler reaches them in order.
+        self._early_cancels: collections.deque[tuple[int, dict]] = collections.deque()
+        self._answered_early: set[int] = set()
 
     def append_samples(self, message: dict) -> int:
         """16 kHz samples an append carries in the input format in effect when it is read
@@ -84,7 +96,44 @@ class OpenAIConnection(Connection):
             await self.send(event)
 
     # ------------------------------------------------------------------ dispatch
+    def _note_read(self, message: dict) -> None:
+        """Keep a ``response.cancel`` aside as it is read (only its ``type``, ``response_id``
+        and ``event_id``, each id at most :data:`EARLY_CANCEL_ID_CHARS`; others wait their
+        turn in the inbox)."""
+        super()._note_read(message)
+        if message["type"] != "response.cancel":
+            return
+        kept = {"type": "response.cancel"}
+        for key in ("response_id", "event_id"):
+            value = message.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, str) or len(value) > self.EARLY_CANCEL_ID_CHARS:
+                return
+            kept[key] = value
+        self._early_cancels.append((self._read_seq, kept))
+
+    async def _cancel_early(self) -> None:
+        """Answer the ``response.cancel`` messages read but not yet dispatched, now (called
+        before each frame goes through the model): ``docs/openai-realtime.md`` says a cancel
+        ends the response at once, also when appends are queued in front of it."""
+        while self._early_cancels:
+            seq, message = self._early_cancels.popleft()
+            if seq <= self._dispatched_seq:
+                continue  # already handled in order
+            self._answered_early.add(seq)
+            await self._handle(message)
+
     async def _dispatch(self, message: dict) -> None:
+        while self._early_cancels and self._early_cancels[0][0] <= self._dispatched_seq:
+            self._early_cancels.popleft()  # reached in order before any frame ran
+        if self._answered_early:
+            if self._dispatched_seq in self._answered_early:
+                self._answered_early.discard(self._dispatched_seq)
+                return  # answered ahead of the audio in front of it
+        await self._handle(message)
+
+    async def _handle(self, message: dict) -> None:
         client_event_id = message.get("event_id") if isinstance(message.get("event_id"), str) else None
         if client_event_id is not None:
             client_event_id = client_event_id[:128]  # echoed in error.event_id
@@ -179,6 +228,7 @@ class OpenAIConnection(Connection):
         once the client is gone (the rest of an append or fill is abandoned)."""
         if getattr(self, "gone", False):
             return False
+        await self._cancel_early()
         reply = await self.engine.call("push", self.session_id, samples=samples)
         level = rms(samples) if heard else 0.0
         for frame in frames_from_events(reply.events):
