@@ -86,7 +86,9 @@ def build_server(app, settings: ServerSettings, *, host: str = "127.0.0.1", port
         overrides: other ``uvicorn.Config`` arguments (``log_level``, ``access_log`` ...).
     """
     probes = (settings.path("/health"), settings.path("/ready"))  # answered past the cap too
-    http, ws = protocol_classes(settings.header_timeout, settings.max_connections, probes)
+    engine = getattr(getattr(app, "state", None), "engine", None)
+    on_reject = engine.metrics.reject if engine is not None else None  # /metrics counts refusals
+    http, ws = protocol_classes(settings.header_timeout, settings.max_connections, probes, on_reject)
     options = dict(
         host=host,
         port=port,

@@ -111,14 +111,17 @@ def _refuse_large_bodies(app, limit: int):
     return guarded
 
 
-def _probes_only(app, paths: frozenset[str]):
+def _probes_only(app, paths: frozenset[str], on_reject=None):
     """ASGI wrapper for a probe-headroom connection: ``GET``/``HEAD`` of ``paths`` reach
-    ``app``; anything else is answered 503 (too many open connections) and closed."""
+    ``app``; anything else is answered 503 (too many open connections) and closed, and
+    counted by ``on_reject("probe_headroom")``."""
 
     async def guarded(scope, receive, send):
         if scope["type"] == "http" and scope["method"] in ("GET", "HEAD") and scope["path"] in paths:
             await app(scope, receive, send)
             return
+        if on_reject is not None:
+            on_reject("probe_headroom")
         body = _BUSY_RESPONSE.partition(b"\r\n\r\n")[2]
         headers = [
             (b"content-type", b"text/plain; charset=utf-8"),
@@ -141,6 +144,10 @@ class GuardedH11Protocol(H11Protocol):
     connections are accepted for them only, each with :data:`PROBE_TIMEOUT` for its request,
     closed after the answer). ``awaiting`` (one per server, made by :func:`protocol_classes`)
     orders the connections whose request deadline runs, oldest first: the eviction queue.
+    ``on_reject(reason)`` counts each refusal (the server's ``/metrics``): ``connection_cap``
+    (503 at once, the cap and the probe headroom full), ``probe_headroom`` (a headroom
+    connection refused: not a probe request, a WebSocket, or no request within
+    :data:`PROBE_TIMEOUT`) and ``evicted`` (aborted to make room).
     """
 
     header_timeout: float = 10.0
@@ -148,6 +155,7 @@ class GuardedH11Protocol(H11Protocol):
     max_body_bytes: int = MAX_REQUEST_BODY_BYTES
     probe_paths: frozenset[str] = frozenset()
     awaiting: collections.OrderedDict = collections.OrderedDict()
+    on_reject = staticmethod(lambda reason: None)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -168,11 +176,12 @@ class GuardedH11Protocol(H11Protocol):
             transport.close()
             self.transport = transport
             self._refused = True
+            self.on_reject("connection_cap")
             return
         self._refused = False
         super().connection_made(transport)
         if self._probe_only:  # headroom for health probes while the cap is full
-            self.app = _probes_only(self.app, self.probe_paths)
+            self.app = _probes_only(self.app, self.probe_paths, self.on_reject)
         self._arm_head_deadline()
 
     def connection_lost(self, exc) -> None:
@@ -194,6 +203,7 @@ class GuardedH11Protocol(H11Protocol):
         if self._probe_only:  # probe headroom: no WebSocket past the cap
             self.transport.write(_BUSY_RESPONSE)
             self.transport.close()
+            self.on_reject("probe_headroom")
             return
         super().handle_websocket_upgrade(event)
 
@@ -235,6 +245,7 @@ class GuardedH11Protocol(H11Protocol):
                 continue  # already on its way out: it frees its slot by itself
             self.connections.discard(victim)
             victim.transport.abort()
+            self.on_reject("evicted")
             _LOG.warning(
                 "connection cap (%d) reached: closed the connection waiting longest for its request",
                 self.max_connections,
@@ -248,6 +259,7 @@ class GuardedH11Protocol(H11Protocol):
             if self._probe_only and self.conn.their_state is h11.IDLE:
                 self.transport.write(_BUSY_RESPONSE)  # past the cap: say why, then close
                 self.transport.close()
+                self.on_reject("probe_headroom")
                 return
             self.transport.abort()
 
@@ -323,13 +335,19 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
             self.loop.call_later(CLOSE_GRACE_SECONDS, self._abort_if_unread)
 
     def _abort_if_unread(self) -> None:
-        if self.transport is not None and self.transport.get_write_buffer_size() > 0:
+        # The peer had CLOSE_GRACE_SECONDS to answer our close frame: drop the socket whether
+        # or not bytes are still queued (a peer that read the close but never answers it kept
+        # the socket, and its connection slot, for uvicorn's 10 s close_timeout). A no-op
+        # once the socket is closed.
+        if self.transport is not None:
             self.transport.abort()
 
 
-def protocol_classes(header_timeout: float, max_connections: int, probe_paths=()) -> tuple[type, type]:
+def protocol_classes(header_timeout: float, max_connections: int, probe_paths=(), on_reject=None) -> tuple[type, type]:
     """``(http, ws)`` protocol classes for ``uvicorn.Config`` with these limits bound
-    (``probe_paths``: the health-probe routes served in the :data:`PROBE_HEADROOM`)."""
+    (``probe_paths``: the health-probe routes served in the :data:`PROBE_HEADROOM`;
+    ``on_reject(reason)``: called for each refused or evicted connection, see
+    :class:`GuardedH11Protocol`)."""
     http = type(
         "VoiceChatH11Protocol",
         (GuardedH11Protocol,),
@@ -338,6 +356,7 @@ def protocol_classes(header_timeout: float, max_connections: int, probe_paths=()
             "max_connections": int(max_connections),
             "probe_paths": frozenset(probe_paths),
             "awaiting": collections.OrderedDict(),  # this server's eviction queue
+            **({"on_reject": staticmethod(on_reject)} if on_reject is not None else {}),
         },
     )
     ws = type("VoiceChatWebSocketProtocol", (GuardedWebSocketProtocol,), {"awaiting": http.awaiting})
