@@ -19,9 +19,14 @@ what it leaves open:
   cap is full, the connection that has waited longest for its request (head or body, a
   keep-alive connection between requests included) is aborted to make room, so only
   connections that have sent a whole request (being answered, or WebSockets) can fill the
-  cap; the flood can only push out its own oldest members (those that sent part of a
-  request before those not yet read from, so a probe accepted in the middle of a burst of
-  flood connections is not pushed out before its request is read). The probe headroom is used only
+  cap. Against a flood of *half-sent* heads, a legitimate client is pushed out only by its
+  own wait: connections that sent part of a request are evicted before those not yet read
+  from, so a probe accepted in the middle of such a burst is not pushed out before its
+  request is read. A flood of connections that send *nothing* is not told apart from a
+  legitimate client whose first bytes are still on their way: one that waits longer than
+  about ``max_connections`` / (flood connections per second) becomes the oldest and is
+  evicted (hostile review: 8 of 10 at 8 slots, 300 connections/s, 50 ms client delay) --
+  volumetric floods need rate limiting in front (``docs/deploy.md``). The probe headroom is used only
   while the cap is full of such connections, and when it is full too its own oldest
   waiting connection makes room the same way.
   **Request bodies** are bounded too (no
