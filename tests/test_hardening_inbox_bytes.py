@@ -11,7 +11,14 @@ import time
 
 from mlx_voicechat_plugin.server.inbox import Inbox, audio_budget_bytes, held_bytes
 
-from .test_server_reliability import _configure, _handle, _only_connection, _raw, _speech
+from .test_server_reliability import (
+    _configure,
+    _drain_in_background,
+    _handle,
+    _only_connection,
+    _raw,
+    _speech,
+)
 from .test_server_support import append
 
 
@@ -58,20 +65,7 @@ def test_a_busy_connection_queues_junk_padded_appends_only_up_to_the_byte_budget
         raw = _raw(server)
         _configure(raw)
         stop = threading.Event()
-
-        def drain():  # the client reads everything: only the inbox can grow
-            raw.sock.settimeout(0.2)
-            while not stop.is_set():
-                try:
-                    if not raw.sock.recv(1 << 16):
-                        return
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return
-
-        reader = threading.Thread(target=drain, daemon=True)
-        reader.start()
+        reader = _drain_in_background(raw, stop)  # the client reads everything: only the inbox can grow
         connection = _only_connection(server)
         raw.send_text(json.dumps(append(_speech(8.0))))
         junk = json.dumps({"type": "input_audio_buffer.append", "audio": "AAAA", "junk": "x" * 100_000})

@@ -12,6 +12,7 @@ import numpy as np
 
 from mlx_voicechat_plugin.server.transport_guards import PROBE_HEADROOM
 
+from .test_server_reliability import _closed_within
 from .test_server_support import ServerHandle, append, http, server_settings
 
 HALF_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
@@ -36,19 +37,6 @@ def _still_open(sock: socket.socket) -> bool:
         return True
     except OSError:
         return False
-
-
-def _drained_to_eof(sock: socket.socket) -> bool:
-    """Read what the server sent; True once it has closed the socket (EOF or reset)."""
-    sock.settimeout(0.3)
-    try:
-        while sock.recv(65536):
-            pass
-    except TimeoutError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def test_probes_and_sessions_are_served_through_a_half_sent_header_flood(tiny, engine):
@@ -134,7 +122,7 @@ def test_websockets_closed_by_the_server_do_not_hold_slots_while_the_peer_ignore
         ignoring = [_upgrade_and_ignore(server.port) for _ in range(2)]
         time.sleep(0.5)  # both answered server_busy and closed by the server
         status, _ = http("GET", server.http_url("/v1/models"))
-        evicted = [_drained_to_eof(sock) for sock in ignoring]
+        evicted = [_closed_within(sock, 0.3) for sock in ignoring]
         pong = client.ping_roundtrip()
         for sock in ignoring:
             sock.close()

@@ -84,6 +84,26 @@ def test_a_client_that_stops_reading_loses_its_slot_within_the_send_timeout(tiny
     assert waited < 20, f"the slot was released {waited:.1f} s after the appends (send_timeout 1 s)"
 
 
+def _drain_in_background(raw, stop: threading.Event) -> threading.Thread:
+    """Read (and drop) everything the server sends on ``raw`` until ``stop`` is set or the
+    socket closes, so that during a flood only the server's inbox can grow."""
+
+    def drain():
+        raw.sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                if not raw.sock.recv(1 << 16):
+                    return
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    return reader
+
+
 # ---------------------------------------------------------------------- floods
 def test_a_ping_flood_during_an_append_is_throttled_not_buffered(tiny, engine):
     """session.ping frames sent while an append runs wait in a bounded inbox; beyond it
@@ -95,20 +115,7 @@ def test_a_ping_flood_during_an_append_is_throttled_not_buffered(tiny, engine):
         raw = _raw(server)
         _configure(raw)
         stop = threading.Event()
-
-        def drain():  # the client reads everything: only the inbox can grow
-            raw.sock.settimeout(0.2)
-            while not stop.is_set():
-                try:
-                    if not raw.sock.recv(1 << 16):
-                        return
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return
-
-        reader = threading.Thread(target=drain, daemon=True)
-        reader.start()
+        reader = _drain_in_background(raw, stop)  # the client reads everything: only the inbox can grow
         connection = _only_connection(server)
         raw.send_text(json.dumps(append(_speech(6.0))))
         ping = json.dumps({"type": "session.ping"})
