@@ -12,18 +12,10 @@ import time
 
 import pytest
 
-from .test_signals import ENV, _free_port
+from .test_signals import ENV, _free_port, slow_load_script
 
 #: ``serve`` with a checkpoint load that says LOADING, then takes 30 s (the signal's window).
-SLOW_LOAD = (
-    "import sys, time\n"
-    "import mlx_voicechat_plugin.loading as loading\n"
-    "real = loading.load\n"
-    "def slow(path):\n"
-    "    print('LOADING', file=sys.stderr, flush=True)\n"
-    "    time.sleep(30)\n"
-    "    return real(path)\n"
-    "loading.load = slow\n"
+SLOW_LOAD = slow_load_script(
     "from mlx_voicechat_plugin.cli.main import main\n"
     "sys.exit(main(['serve'] + sys.argv[1:]))\n"
 )

@@ -23,6 +23,21 @@ from .test_server_support import Client, Closed, append, http
 ENV = dict(os.environ, TRANSFORMERS_VERBOSITY="error")
 
 
+def slow_load_script(entry: str) -> str:
+    """A ``python -c`` script whose checkpoint load prints ``LOADING`` to stderr, then sleeps
+    30 s (the window for a signal), then runs ``entry`` (code that calls an entry point)."""
+    return (
+        "import sys, time\n"
+        "import mlx_voicechat_plugin.loading as loading\n"
+        "real = loading.load\n"
+        "def slow(path):\n"
+        "    print('LOADING', file=sys.stderr, flush=True)\n"
+        "    time.sleep(30)\n"
+        "    return real(path)\n"
+        "loading.load = slow\n"
+    ) + entry
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -163,18 +178,7 @@ def test_ctrl_c_while_the_server_starts_exits_130_at_once(tiny):
 def test_ctrl_c_while_the_checkpoint_loads_exits_130_without_waiting_for_the_load(tiny):
     """Ctrl-C during the load joined the loading engine thread for up to 10 s (7.6-8.3 s
     seen); now the process leaves at once (os._exit, the thread is never joined)."""
-    script = (
-        "import sys, time\n"
-        "import mlx_voicechat_plugin.loading as loading\n"
-        "real = loading.load\n"
-        "def slow(path):\n"
-        "    print('LOADING', file=sys.stderr, flush=True)\n"
-        "    time.sleep(30)\n"
-        "    return real(path)\n"
-        "loading.load = slow\n"
-        "from mlx_voicechat_plugin.server.cli import main\n"
-        "sys.exit(main(sys.argv[1:]))\n"
-    )
+    script = slow_load_script("from mlx_voicechat_plugin.server.cli import main\nsys.exit(main(sys.argv[1:]))\n")
     command = [sys.executable, "-c", script, "--model", str(tiny), "--port", str(_free_port())]
     status, elapsed, text = _interrupt(command, marker=b"LOADING")
     assert status == 130, text
