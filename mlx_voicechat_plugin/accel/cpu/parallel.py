@@ -34,7 +34,7 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 
-from .native import linear
+from .native import linear, quantized_matmul
 
 #: Environment switch: ``0`` keeps every product on one stream.
 SPLIT_ENV = "MLX_VOICECHAT_CPU_SPLIT"
@@ -221,7 +221,9 @@ class SplitLinear(nn.Linear):
 class SplitQuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` whose product runs on two CPU cores (same result).
 
-    Each half takes whole output rows of the packed weight with their scales and biases.
+    Each half takes whole output rows of the packed weight with their scales and biases,
+    and runs the native kernel (:func:`.native.quantized_matmul`, bit-identical to
+    ``mx.quantized_matmul``) where it applies.
     """
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -229,7 +231,7 @@ class SplitQuantizedLinear(nn.QuantizedLinear):
         biases = self.get("biases")
 
         def product(inputs, start, stop):
-            return mx.quantized_matmul(
+            return quantized_matmul(
                 inputs,
                 weight[start:stop],
                 scales=scales[start:stop],

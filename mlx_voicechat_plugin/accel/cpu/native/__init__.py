@@ -3,7 +3,7 @@
 Each kernel computes what one MLX operation computes on the CPU, in the same order and with
 the same roundings, so results are bit-identical; only faster. The model calls the
 wrappers here: :func:`matmul` / :func:`linear`, :func:`depthwise_conv1d`, :func:`rms_norm`,
-:func:`rvq_encode` and :func:`lookup16`.
+:func:`rvq_encode`, :func:`lookup16` and :func:`quantized_matmul`.
 
 **Products.** MLX's CPU backend computes float32 products with the reference BLAS ``sgemm`` and
 bfloat16/float16 products with its own scalar ``simd_gemm``. Both give each output the
@@ -18,6 +18,14 @@ the machine in ``docs/performance.md``).
 ConvNeXt blocks, the conformer's convolution module, the Mamba layers): MLX sums the taps in
 order in float32 and rounds once; the kernel does the same, vectorised across channels
 (about 30x faster than MLX's CPU convolution on the codec's long inputs).
+
+**Quantized products** (``nn.QuantizedLinear``: the language model of the 4- and 8-bit
+checkpoints): MLX's CPU backend runs a scalar loop off Apple silicon, each output the
+in-order sum of ``x * (scale * q + bias)`` with every operation rounded to the
+computation dtype (bfloat16 too); the kernel dequantises a panel of outputs with the same
+roundings and sums in the same order, vectorised across outputs (bits 2/4/8, group sizes
+32/64/128; about 5x faster for one row and 20-40x for several, ``docs/performance.md``).
+It has its own load-time self-test: a mismatch switches off only this family.
 
 **Table lookups** (the codec's bfloat16 GELU, :mod:`~mlx_voicechat_plugin.accel.cpu.activations`):
 ``table[bits(x)]`` as a contiguous loop (about 15x faster than MLX's general gather).
@@ -55,7 +63,7 @@ NATIVE_ENV = "MLX_VOICECHAT_NATIVE"
 
 _SUPPORTED = (mx.float32, mx.bfloat16, mx.float16)
 _lock = threading.Lock()
-_state: dict = {"module": None, "reason": None, "tried": False, "decisions": {}}
+_state: dict = {"module": None, "reason": None, "tried": False, "decisions": {}, "quantized_off": None}
 _log = logging.getLogger(__name__)
 
 
@@ -92,6 +100,24 @@ def _self_test(module) -> None:
                         )
 
 
+def _self_test_quantized(module) -> None:
+    """Compare the quantized kernel with ``mx.quantized_matmul`` (a different MLX loop, e.g.
+    a future SIMD path on this CPU, would differ); raise on any bit difference."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    with mx.stream(mx.cpu):
+        for dtype in _SUPPORTED:
+            for rows, outputs, inner, bits, group in ((1, 37, 128, 4, 64), (5, 20, 96, 8, 32), (3, 9, 256, 2, 128)):
+                w = mx.array(rng.standard_normal((outputs, inner)).astype(np.float32)).astype(dtype)
+                packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+                x = mx.array(rng.standard_normal((rows, inner)).astype(np.float32)).astype(dtype)
+                want = mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=group, bits=bits)
+                have = module.quantized_matmul(x, packed, scales, biases, group, bits)
+                if have.dtype != want.dtype or not mx.array_equal(want, have).item():
+                    raise RuntimeError(f"quantized self-test mismatch for {dtype} {bits}-bit, group {group}")
+
+
 def _load():
     with _lock:
         if _state["tried"]:
@@ -113,6 +139,12 @@ def _load():
                 str(error).splitlines()[0],
             )
             return None
+        try:
+            _self_test_quantized(module)
+        except Exception as error:  # noqa: BLE001 - only this family falls back to MLX
+            _state["quantized_off"] = f"{type(error).__name__}: {error}"
+            _log.warning("mlx-voicechat-plugin: native quantized product off (%s); using "
+                         "mx.quantized_matmul", _state["quantized_off"])
         _state["module"] = module
         return module
 
@@ -136,7 +168,7 @@ def reset() -> None:
     """Forget the load attempt and the measured decisions (tests; after changing
     :data:`NATIVE_ENV`)."""
     with _lock:
-        _state.update(module=None, reason=None, tried=False, decisions={})
+        _state.update(module=None, reason=None, tried=False, decisions={}, quantized_off=None)
 
 
 def calibrate(workloads, refresh: bool = False) -> dict:
@@ -176,6 +208,8 @@ def _use(kernel: str, dtype: mx.Dtype | None, rows: int | None) -> bool:
     """The extension is active and ``kernel`` was not switched off by the self-measurement
     for this dtype and row regime."""
     if not active():
+        return False
+    if kernel == "quantized_matmul" and _state["quantized_off"]:
         return False
     if not _state["decisions"]:
         return True
@@ -346,6 +380,59 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
     ):
         return _state["module"].exact_matmul(x, weight, bias, True)
     return _reference(x, weight.T, bias)
+
+
+#: Bit widths and group sizes of :func:`quantized_matmul`'s kernel (MLX's affine mode
+#: also has 3, 5 and 6 bits: those run MLX's operation).
+QUANTIZED_BITS = (2, 4, 8)
+QUANTIZED_GROUPS = (32, 64, 128)
+
+
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None = None,
+    transpose: bool = True,
+    group_size: int = 64,
+    bits: int = 4,
+    mode: str = "affine",
+) -> mx.array:
+    """``mx.quantized_matmul(x, w, scales, biases, transpose, group_size, bits, mode)``,
+    bit for bit (MLX 0.32's CPU ``_qmm_t`` loop: per output the in-order sum over ``k`` of
+    ``x[k] * (scale * q + bias)`` in the computation dtype, every operation rounded to it).
+
+    The kernel runs for the affine mode with a transposed 2-D weight, bits 2/4/8 and group
+    sizes 32/64/128; anything else (other modes or bits, ``transpose=False``, batched
+    weights) and bad input run MLX's operation, which raises MLX's errors.
+
+    Args:
+        x: ``(..., K)`` float32/bfloat16/float16 activations.
+        w: ``(N, K * bits / 32)`` uint32 packed weight.
+        scales, biases: ``(N, K / group_size)``. The computation dtype is MLX's:
+            ``promote(x, scales, biases)``; ``x`` is cast to it, 16-bit scales are widened
+            exactly for a float32 computation.
+
+    Returns:
+        ``(..., N)`` in the computation dtype.
+    """
+    if (
+        mode == "affine" and transpose and biases is not None and bits in QUANTIZED_BITS
+        and group_size in QUANTIZED_GROUPS and w.ndim == 2 and w.dtype == mx.uint32 and x.ndim >= 1
+        and scales.ndim == 2 and biases.shape == scales.shape and scales.shape[0] == w.shape[0]
+        and x.shape[-1] == w.shape[1] * (32 // bits) == scales.shape[1] * group_size
+        and scales.dtype in _SUPPORTED and biases.dtype in _SUPPORTED and x.dtype in _SUPPORTED
+    ):
+        dtype = mx.result_type(x, scales, biases)
+        if _use("quantized_matmul", dtype, _rows(x)):
+            if x.dtype != dtype:
+                x = x.astype(dtype)
+            if scales.dtype != biases.dtype or not (scales.dtype == dtype or dtype == mx.float32):
+                scales, biases = scales.astype(dtype), biases.astype(dtype)
+            return _state["module"].quantized_matmul(x, w, scales, biases, group_size, bits)
+    return mx.quantized_matmul(
+        x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode
+    )
 
 
 def _reference(a: mx.array, b: mx.array, bias: mx.array | None) -> mx.array:

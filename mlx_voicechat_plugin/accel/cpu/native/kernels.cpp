@@ -965,6 +965,371 @@ mx::array rvq_encode(const mx::array& residual, const mx::array& norms, const mx
                    {residual, norms, books, embeddings});
 }
 
+// ---------------------------------------------------------------------------------------
+// quantized_matmul
+
+// MLX's CPU QuantizedMatmul (affine mode, transposed weight) runs the scalar loop _qmm_t
+// (mlx/backend/cpu/quantized.cpp; its SIMD variant needs simd::max_size<T> > 1, which is 1
+// off Apple silicon): for every row and output n, in the type T of x and the scales,
+//
+//   T sum = 0;
+//   for k in 0..K-1:  sum += x[k] * (scale[n][k / g] * T(q[n][k]) + bias[n][k / g]);
+//
+// where every operation is one MLX scalar operation: float32 arithmetic for T = float32,
+// and for bfloat16 / float16 (MLX's software half types off Apple silicon) the float32
+// result of each multiply and each add rounded to T at once. q[n][k] is bits-wide, packed
+// little-endian into the row's 32-bit words, lowest bits first. This kernel computes the
+// same values in the same order, vectorised across output columns: a panel of kPanel
+// outputs is dequantised once (rounded to T as MLX rounds it) and then every row of x runs
+// against it, the products and sums rounded to T after each operation.
+
+typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+
+// Bit reinterpretation between same-size vectors (GCC's vector casts).
+template <typename V>
+inline vu as_vu(V v) {
+  return (vu)v;
+}
+
+template <typename V>
+inline vf as_vf(V v) {
+  return (vf)v;
+}
+
+inline vu select_bits(vu mask, vu yes, vu no) {
+  return (yes & mask) | (no & ~mask);
+}
+
+inline vu splat(uint32_t v) {
+  return vu{} + v;
+}
+
+inline vf splat_f(float v) {
+  return vf{} + v;
+}
+
+// float -> T -> float on each lane, exactly as MLX's scalar conversions do it.
+template <typename T>
+struct RoundTo {
+  static inline vf apply(vf x) {
+    return x;
+  }
+};
+
+// _MLX_BFloat16(float): NaN -> 0x7FC0; otherwise round to nearest even on the top 16 bits.
+template <>
+struct RoundTo<mx::bfloat16_t> {
+  static inline vf apply(vf x) {
+    const vu u = as_vu(x);
+    vu r = (u + (((u >> 16) & 1u) + 0x7FFFu)) & 0xFFFF0000u;
+    const vu nan = as_vu(x != x);
+    r = select_bits(nan, splat(0x7FC00000u), r);
+    return as_vf(r);
+  }
+};
+
+// _MLX_Float16(float) and its operator float() (the FP16 library's magic-number
+// conversions, NaN -> sign | 0x7D00), lane by lane.
+template <>
+struct RoundTo<mx::float16_t> {
+  static inline vf apply(vf x) {
+    const vu u = as_vu(x);
+    const vu sign16 = (u & 0x80000000u) >> 16;
+    vu expo = u & 0x7f800000u;
+    const vu low = as_vu(expo < 0x38800000u);
+    expo = select_bits(low, splat(0x38800000u), expo) + (15u << 23);
+    const vu absolute_bits = u & 0x7fffffffu;
+    const vf absolute = as_vf(absolute_bits);
+    const vf inf_scale = as_vf(splat(0x77800000u));
+    const vf zero_scale = as_vf(splat(0x08800000u));
+    vf magic = as_vf(expo);
+    const vf scaled = absolute * inf_scale;
+    magic = magic + scaled * zero_scale;
+    const vu m = as_vu(magic);
+    vu bits = sign16 | ((((m >> 13) & 0x7c00u) + (m & 0x0fffu)) & 0xFFFFu);
+    const vu nan = as_vu(x != x);
+    bits = select_bits(nan, sign16 | 0x7D00u, bits);
+    // back to float
+    const vu base = bits << 16;
+    const vu two_base = base + base;
+    const vu sign32 = base & 0x80000000u;
+    vu small_bits = (126u << 23) | (two_base >> 17);
+    vf small = as_vf(small_bits);
+    small = small - 0.5f;
+    vu large_bits = (0xE0u << 23) + (two_base >> 4);
+    vf large = as_vf(large_bits);
+    large = large * as_vf(splat(0x7800000u));
+    const vu denormal = as_vu(two_base < (1u << 27));
+    vu out = select_bits(denormal, as_vu(small), as_vu(large)) | sign32;
+    return as_vf(out);
+  }
+};
+
+// R rows of x (float32 values of T, row stride K) against one dequantised K x kPanel panel:
+// acc = T(acc + T(x * w)) in order over k.
+template <typename T, int R>
+inline void qblock(const float* a, long K, const float* panel, float* out, long ldo, int width) {
+  vf acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = vf{};
+    acc1[r] = vf{};
+  }
+  for (long k = 0; k < K; ++k) {
+    const vf b0 = load(panel + k * kPanel);
+    const vf b1 = load(panel + k * kPanel + kLanes);
+    for (int r = 0; r < R; ++r) {
+      const vf x = vf{} + a[r * K + k];
+      const vf p0 = RoundTo<T>::apply(x * b0);
+      const vf p1 = RoundTo<T>::apply(x * b1);
+      acc0[r] = RoundTo<T>::apply(acc0[r] + p0);
+      acc1[r] = RoundTo<T>::apply(acc1[r] + p1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float row[kPanel];
+    store(row, acc0[r]);
+    store(row + kLanes, acc1[r]);
+    std::memcpy(out + r * ldo, row, sizeof(float) * width);
+  }
+}
+
+// Dequantise outputs [n0, n0 + width) of the packed weight into panel (K x kPanel, float32
+// values of T): T(T(scale * q) + bias), as MLX computes it inside its sum.
+template <typename T, typename S, int bits, int group>
+void dequantize_panel(const uint32_t* w, const S* scales, const S* biases, long n0, int width, long K,
+                      float* panel) {
+  constexpr int per_word = 32 / bits;
+  constexpr uint32_t mask = (1u << bits) - 1u;
+  constexpr int words_per_group = group / per_word;
+  const long words = K / per_word;
+  const long groups = K / group;
+  alignas(64) uint32_t packed[kPanel];
+  alignas(64) float scale_lanes[kPanel];
+  alignas(64) float bias_lanes[kPanel];
+  for (long gi = 0; gi < groups; ++gi) {
+    for (int j = 0; j < kPanel; ++j) {
+      const bool live = j < width;
+      scale_lanes[j] = live ? widen(scales[(n0 + j) * groups + gi]) : 0.0f;
+      bias_lanes[j] = live ? widen(biases[(n0 + j) * groups + gi]) : 0.0f;
+    }
+    const vf s0 = load(scale_lanes), s1 = load(scale_lanes + kLanes);
+    const vf c0 = load(bias_lanes), c1 = load(bias_lanes + kLanes);
+    for (int word = 0; word < words_per_group; ++word) {
+      const long column = gi * words_per_group + word;
+      for (int j = 0; j < kPanel; ++j) packed[j] = j < width ? w[(n0 + j) * words + column] : 0u;
+      const vu w0 = *reinterpret_cast<const vu*>(packed);
+      const vu w1 = *reinterpret_cast<const vu*>(packed + kLanes);
+      float* row = panel + (column * per_word) * kPanel;
+      for (int p = 0; p < per_word; ++p) {
+        const vf q0 = __builtin_convertvector((w0 >> (bits * p)) & mask, vf);
+        const vf q1 = __builtin_convertvector((w1 >> (bits * p)) & mask, vf);
+        const vf d0 = RoundTo<T>::apply(RoundTo<T>::apply(s0 * q0) + c0);
+        const vf d1 = RoundTo<T>::apply(RoundTo<T>::apply(s1 * q1) + c1);
+        store(row + p * kPanel, d0);
+        store(row + p * kPanel + kLanes, d1);
+      }
+    }
+  }
+}
+
+// out (M x N, float32 values of T) for x (M x K float32 values of T).
+template <typename T, typename S, int bits, int group>
+void quantized_product(const float* x, const uint32_t* w, const S* scales, const S* biases, long M, long N,
+                       long K, float* out) {
+  float* const panel = scratch(kPanelScratch, static_cast<size_t>(std::max<long>(K, 1)) * kPanel);
+  for (long j = 0; j < N; j += kPanel) {
+    const int width = static_cast<int>(std::min<long>(kPanel, N - j));
+    dequantize_panel<T, S, bits, group>(w, scales, biases, j, width, K, panel);
+    long i = 0;
+    for (; i + kRows <= M; i += kRows) qblock<T, kRows>(x + i * K, K, panel, out + i * N + j, N, width);
+    switch (M - i) {
+      case 3:
+        qblock<T, 3>(x + i * K, K, panel, out + i * N + j, N, width);
+        break;
+      case 2:
+        qblock<T, 2>(x + i * K, K, panel, out + i * N + j, N, width);
+        break;
+      case 1:
+        qblock<T, 1>(x + i * K, K, panel, out + i * N + j, N, width);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+template <typename T, typename S>
+void run_quantized(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                   mx::array& out, int group, int bits) {
+  const long K = x.shape(-1);
+  const long N = out.shape(-1);
+  const long M = K == 0 ? static_cast<long>(out.size() / std::max<long>(N, 1)) : static_cast<long>(x.size() / K);
+  if (M == 0 || N == 0) return;
+  T* po = out.data<T>();
+  float* result = nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    result = po;
+  } else {
+    result = scratch(kResultScratch, static_cast<size_t>(M) * N);
+  }
+  if (K == 0) {
+    std::fill(result, result + M * N, 0.0f);
+  } else {
+    const T* px = row_contiguous<T>(x, 0);
+    const float* x32 = nullptr;
+    if constexpr (std::is_same_v<T, float>) {
+      x32 = px;
+    } else {
+      float* rows = scratch(kRowsScratch, static_cast<size_t>(M) * K);
+      for (long i = 0; i < M * K; ++i) rows[i] = widen(px[i]);
+      x32 = rows;
+    }
+    const uint32_t* pw = row_contiguous<uint32_t>(w, 1);
+    const S* ps = row_contiguous<S>(scales, 2);
+    const S* pb = row_contiguous<S>(biases, 3);
+    auto with = [&](auto bits_tag, auto group_tag) {
+      quantized_product<T, S, decltype(bits_tag)::value, decltype(group_tag)::value>(x32, pw, ps, pb, M, N, K,
+                                                                                     result);
+    };
+    auto with_group = [&](auto bits_tag) {
+      switch (group) {
+        case 32:
+          return with(bits_tag, std::integral_constant<int, 32>{});
+        case 64:
+          return with(bits_tag, std::integral_constant<int, 64>{});
+        default:
+          return with(bits_tag, std::integral_constant<int, 128>{});
+      }
+    };
+    switch (bits) {
+      case 2:
+        with_group(std::integral_constant<int, 2>{});
+        break;
+      case 4:
+        with_group(std::integral_constant<int, 4>{});
+        break;
+      default:
+        with_group(std::integral_constant<int, 8>{});
+        break;
+    }
+  }
+  if constexpr (!std::is_same_v<T, float>) {
+    for (long i = 0; i < M * N; ++i) po[i] = T(result[i]);
+  }
+}
+
+class QuantizedMatmulKernel : public CpuKernel {
+ public:
+  QuantizedMatmulKernel(mx::Stream stream, int group, int bits)
+      : CpuKernel(stream, "quantized_matmul"), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& input : inputs) encoder.set_input_array(input);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
+                      scales = mx::array::unsafe_weak_copy(inputs[2]),
+                      biases = mx::array::unsafe_weak_copy(inputs[3]), out = mx::array::unsafe_weak_copy(out),
+                      group = group_, bits = bits_]() mutable {
+      dispatch_float(out.dtype(), "quantized_matmul", [&](auto tag) {
+        using T = decltype(tag);
+        if (scales.dtype() == out.dtype()) {
+          run_quantized<T, T>(x, w, scales, biases, out, group, bits);
+        } else if constexpr (std::is_same_v<T, float>) {  // 16-bit scales widened exactly
+          if (scales.dtype() == mx::bfloat16) {
+            run_quantized<float, mx::bfloat16_t>(x, w, scales, biases, out, group, bits);
+          } else {
+            run_quantized<float, mx::float16_t>(x, w, scales, biases, out, group, bits);
+          }
+        }
+      });
+    });
+  }
+
+  // Differentiates as mx.quantized_matmul (with respect to x, scales and biases; MLX
+  // refuses the packed weight).
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    std::vector<mx::array> grads;
+    for (int arg : argnums) grads.push_back(mx::vjp(reference(primals, arg), {primals[arg]}, cotangents).second[0]);
+    return grads;
+  }
+
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
+                             const std::vector<int>& argnums) override {
+    std::optional<mx::array> total;
+    for (size_t i = 0; i < argnums.size(); ++i) {
+      auto part = mx::jvp(reference(primals, argnums[i]), {primals[argnums[i]]}, {tangents[i]}).second[0];
+      total = total.has_value() ? mx::add(*total, part, stream()) : part;
+    }
+    return {*total};
+  }
+
+  const char* name() const override {
+    return "QuantizedMatmulKernel";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& that = static_cast<const QuantizedMatmulKernel&>(other);
+    return that.group_ == group_ && that.bits_ == bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  Reference reference(const std::vector<mx::array>& primals, int arg) {
+    const int group = group_, bits = bits_;
+    const auto s = stream();
+    return [primals, arg, group, bits, s](const std::vector<mx::array>& in) {
+      std::vector<mx::array> all = primals;
+      all[arg] = in[0];
+      return std::vector<mx::array>{
+          mx::quantized_matmul(all[0], all[1], all[2], all[3], true, group, bits, "affine", s)};
+    };
+  }
+
+  int group_;
+  int bits_;
+};
+
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits) {
+  if (bits != 2 && bits != 4 && bits != 8) {
+    throw std::invalid_argument("quantized_matmul: bits must be 2, 4 or 8, got " + std::to_string(bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("quantized_matmul: group_size must be 32, 64 or 128, got " +
+                                std::to_string(group_size));
+  }
+  if (x.ndim() < 1 || w.ndim() != 2 || w.dtype() != mx::uint32 || scales.ndim() != 2 ||
+      biases.shape() != scales.shape() || biases.dtype() != scales.dtype()) {
+    throw std::invalid_argument(
+        "quantized_matmul: x (..., K), w uint32 (N, K * bits / 32), scales and biases (N, K / group_size) "
+        "of one dtype");
+  }
+  const long K = static_cast<long>(w.shape(1)) * (32 / bits);
+  if (x.shape(-1) != K || scales.shape(0) != w.shape(0) || scales.shape(1) * group_size != K) {
+    throw std::invalid_argument("quantized_matmul: shapes do not match (x " + std::to_string(x.shape(-1)) +
+                                " wide, weight unpacks to " + std::to_string(K) + ")");
+  }
+  const auto floating = [](mx::Dtype d) { return d == mx::float32 || d == mx::bfloat16 || d == mx::float16; };
+  if (!floating(x.dtype()) || !(scales.dtype() == x.dtype() || (x.dtype() == mx::float32 && floating(scales.dtype())))) {
+    throw std::invalid_argument(
+        "quantized_matmul: x float32/bfloat16/float16 with scales of its dtype (or float32 x with 16-bit scales)");
+  }
+  mx::Stream stream = cpu_stream("quantized_matmul");
+  mx::Shape shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(std::move(shape), x.dtype(), std::make_shared<QuantizedMatmulKernel>(stream, group_size, bits),
+                   {x, w, scales, biases});
+}
+
 }  // namespace
 
 NB_MODULE(_kernels, m) {
@@ -984,6 +1349,10 @@ NB_MODULE(_kernels, m) {
         "Nearest-codeword residual quantisation over codebooks [start, start + count).");
   m.def("lookup16", &lookup16, nb::arg("x"), nb::arg("table"),
         "table[bits(x)] for bfloat16/float16 x and a (65536,) table of the same dtype.");
+  m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"),
+        "mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits, mode='affine')\n"
+        "on the CPU, bits 2/4/8, group sizes 32/64/128, bit for bit.");
   m.def("depthwise_conv1d", &depthwise_conv1d, nb::arg("x"), nb::arg("w"), nb::arg("padding") = 0,
         "mx.conv1d(x, w, padding=padding, groups=C) for x (B, T, C), w (C, K, 1), stride 1.");
 }
