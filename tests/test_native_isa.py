@@ -84,6 +84,13 @@ def test_variant_is_bit_identical_to_mlx(through):
             assert _same(native.depthwise_conv1d(x, taps, padding), mx.conv1d(x, taps, padding=padding, groups=24))
         x, scale = _random(rng, (3, 7, 96), dtype), _random(rng, (96,), dtype)
         assert _same(native.rms_norm(x, scale, 1e-5), mx.fast.rms_norm(x, scale, 1e-5))
+        for bits, group, rows, outputs in ((4, 64, 1, 37), (8, 32, 5, 70), (2, 128, 9, 33)):
+            packed, scales, biases = mx.quantize(_random(rng, (outputs, 256), dtype), group_size=group, bits=bits)
+            x = _random(rng, (rows, 256), dtype)
+            assert _same(
+                native.quantized_matmul(x, packed, scales, biases, group_size=group, bits=bits),
+                mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=group, bits=bits),
+            ), (dtype, bits, group)
     for dtype in (mx.bfloat16, mx.float16):
         table, x = _random(rng, (1 << 16,), dtype), _random(rng, (5, 300), dtype, 4.0)
         assert _same(native.lookup16(x, table), mx.take(table, x.view(mx.uint16)))

@@ -232,3 +232,25 @@ def test_kernel_rejects_what_it_does_not_compute(kernels):
         kernels.quantized_matmul(x[:, :32], packed, scales, biases, 64, 4)
     with pytest.raises(ValueError, match="scales of its dtype"):
         kernels.quantized_matmul(x.astype(mx.bfloat16), packed, scales, biases, 64, 4)
+
+
+def test_calibration_times_the_models_quantized_shapes(kernels):
+    from mlx_voicechat_plugin.accel.cpu.shapes import QUANTIZED_MATRIX_ROWS, model_workloads
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wide = nn.QuantizedLinear(256, 96, group_size=64, bits=4)
+            self.heads = [nn.QuantizedLinear(128, 40, group_size=32, bits=8) for _ in range(3)]
+            self.odd = nn.QuantizedLinear(192, 8, group_size=64, bits=3)  # not covered: not timed
+
+    model = Tiny()
+    model.set_dtype(mx.bfloat16)
+    found = [w for w in model_workloads(model, kernels) if w.key.startswith("quantized_matmul/")]
+    assert {w.key for w in found} == {"quantized_matmul/bfloat16/vector", "quantized_matmul/bfloat16/matrix"}
+    assert {w.description for w in found} == {
+        "1x128 @ 128x40 8-bit/32", f"{QUANTIZED_MATRIX_ROWS}x128 @ 128x40 8-bit/32",
+        "1x256 @ 256x96 4-bit/64", f"{QUANTIZED_MATRIX_ROWS}x256 @ 256x96 4-bit/64",
+    }
+    for workload in found:
+        assert _same(workload.native(), workload.reference()), workload.description

@@ -1,7 +1,7 @@
 """The self-measurement's workloads (:mod:`.native.calibration`), taken from the model.
 
 Each kernel family is timed on the shapes the model will run it on: its most common (by
-total work) matrix products per dtype, depthwise convolutions, RMS norms, the EAR-TTS
+total work) matrix products and quantized products per dtype, depthwise convolutions, RMS norms, the EAR-TTS
 quantiser search and the codec's GELU lookups, each in the ``vector`` regime (a streamed
 frame's one or two rows) and the ``matrix`` regime (64 rows, offline). The operands are
 random arrays of the model's shapes and dtypes, laid out as the CPU layer holds them
@@ -28,6 +28,15 @@ MAX_MATRIX_ELEMENTS = 1 << 19
 MATRIX_ROWS = 64
 #: Shapes timed per family and dtype (the largest by count x size).
 PER_FAMILY = 3
+#: Largest quantized weight (elements) timed per regime (MLX's scalar loop is slow: about
+#: 15 ns per multiply-add in bfloat16 on the reference VM), shapes timed per dtype, and
+#: interleaved repeats (the kernel is 5-40x faster: a coarse ratio is enough).
+MAX_QUANTIZED_VECTOR_ELEMENTS = 1 << 20
+MAX_QUANTIZED_MATRIX_ELEMENTS = 1 << 18
+#: Rows of the quantized matrix regime (fewer than :data:`MATRIX_ROWS`: MLX's loop is slow).
+QUANTIZED_MATRIX_ROWS = 16
+QUANTIZED_PER_DTYPE = 2
+QUANTIZED_REPEATS = 3
 
 _FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 
@@ -91,6 +100,49 @@ def matmul_workloads(module, products: Counter) -> list[Workload]:
                     weight=products[(outputs, inner, dtype)] * width * inner,
                 )
             )
+    return workloads
+
+
+def _quantized_products(model: nn.Module) -> Counter:
+    """``(N, K, bits, group_size, dtype) -> count`` of the affine quantized products (the
+    dtype is the scales', the activations' dtype in the checkpoints)."""
+    found: Counter = Counter()
+    for _, module in model.named_modules():
+        if isinstance(module, nn.QuantizedLinear) and getattr(module, "mode", "affine") == "affine":
+            scales = module["scales"]
+            if module["weight"].ndim == 2 and scales.dtype in _FLOATS:
+                inner = module["weight"].shape[1] * 32 // module.bits
+                found[(module["weight"].shape[0], inner, module.bits, module.group_size, scales.dtype)] += 1
+    return found
+
+
+def quantized_workloads(module, products: Counter) -> list[Workload]:
+    """Vector- (1 row) and matrix-regime (:data:`QUANTIZED_MATRIX_ROWS`) quantized products for the
+    heaviest ``(N, K, bits, group_size, dtype)`` entries the kernel covers."""
+    from .native import QUANTIZED_BITS, QUANTIZED_GROUPS
+
+    covered = Counter({e: c for e, c in products.items() if e[2] in QUANTIZED_BITS and e[3] in QUANTIZED_GROUPS})
+    workloads = []
+    for dtype in _FLOATS:
+        entries = sorted((e for e in covered if e[-1] == dtype), key=lambda e: covered[e] * e[0] * e[1], reverse=True)
+        for outputs, inner, bits, group, _ in entries[:QUANTIZED_PER_DTYPE]:
+            for rows, limit in ((1, MAX_QUANTIZED_VECTOR_ELEMENTS), (QUANTIZED_MATRIX_ROWS, MAX_QUANTIZED_MATRIX_ELEMENTS)):
+                width = max(1, min(outputs, limit // max(inner, 1)))
+                packed, scales, biases = mx.quantize(_random((width, inner), dtype), group_size=group, bits=bits)
+                x = _random((rows, inner), dtype)
+                mx.eval(packed, scales, biases, x)
+                workloads.append(
+                    Workload(
+                        key("quantized_matmul", dtype, rows),
+                        f"{rows}x{inner} @ {inner}x{width} {bits}-bit/{group}",
+                        lambda x=x, w=packed, s=scales, b=biases, g=group, n=bits: module.quantized_matmul(x, w, s, b, g, n),
+                        lambda x=x, w=packed, s=scales, b=biases, g=group, n=bits: mx.quantized_matmul(
+                            x, w, s, b, transpose=True, group_size=g, bits=n
+                        ),
+                        weight=covered[(outputs, inner, bits, group, dtype)] * width * inner,
+                        repeats=QUANTIZED_REPEATS,
+                    )
+                )
     return workloads
 
 
@@ -205,6 +257,7 @@ def model_workloads(model, module) -> list[Workload]:
     norms = Counter({k: v for k, v in norms.items() if k[-1] in _FLOATS})
     workloads = (
         matmul_workloads(module, _products(model))
+        + quantized_workloads(module, _quantized_products(model))
         + depthwise_workloads(module, convolutions)
         + norm_workloads(module, norms)
         + lookup_workloads(module, widths)
@@ -217,10 +270,12 @@ def model_workloads(model, module) -> list[Workload]:
 
 
 def default_workloads(module) -> list[Workload]:
-    """Representative shapes (the medium demo checkpoint's sizes) for the status command."""
+    """Representative shapes for the status command: the medium demo checkpoint's, and the
+    full preset's 4-bit language model products."""
     products = Counter({(1536, 512, mx.bfloat16): 8, (512, 1536, mx.bfloat16): 8, (1024, 256, mx.float32): 8})
     return (
         matmul_workloads(module, products)
+        + quantized_workloads(module, Counter({(4480, 4480, 4, 64, mx.bfloat16): 8, (15680, 4480, 4, 64, mx.bfloat16): 4}))
         + depthwise_workloads(module, Counter({(256, 7, 0, mx.bfloat16): 4, (256, 9, 4, mx.float32): 4}))
         + norm_workloads(module, Counter({(512, mx.bfloat16): 16, (256, mx.float32): 16}))
         + lookup_workloads(module, Counter({(1024, mx.bfloat16): 4}))

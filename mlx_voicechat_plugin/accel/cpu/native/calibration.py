@@ -64,6 +64,7 @@ class Workload:
         key: the decision key (:func:`key`).
         description: the shapes, for the status command (e.g. ``"1x512 @ 512x1536"``).
         weight: how often the model runs it per frame (scales its share of the family).
+        repeats: interleaved timed blocks per side (fewer for a slow MLX operation).
     """
 
     key: str
@@ -71,6 +72,7 @@ class Workload:
     native: Callable[[], mx.array]
     reference: Callable[[], mx.array]
     weight: float = 1.0
+    repeats: int = REPEATS
 
 
 @dataclass
@@ -118,7 +120,7 @@ def measure(workloads: list[Workload]) -> dict[str, Decision]:
     totals: dict[str, list] = {}
     with mx.stream(mx.cpu):
         for workload in workloads:
-            native, reference = time_pair(workload.native, workload.reference)
+            native, reference = time_pair(workload.native, workload.reference, workload.repeats)
             entry = totals.setdefault(workload.key, [0.0, 0.0, []])
             entry[0] += workload.weight * native
             entry[1] += workload.weight * reference
