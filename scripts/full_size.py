@@ -10,7 +10,7 @@ from ``resource.getrusage``; keep them under the machine's free memory):
     python scripts/full_size.py load CKPT [--upstream]      # load time, RSS, pinning, peak
     python scripts/full_size.py stream CKPT --frames 8 [--offline-seconds 1 5]
     python scripts/full_size.py offline CKPT --seconds 1 5   # offline turns: stage times, peaks
-    python scripts/full_size.py perception CKPT --minutes 1 2 [--upstream]
+    python scripts/full_size.py perception CKPT --minutes 1 2 [--upstream | --no-cpu-layer]
     python scripts/full_size.py project CKPT                 # bytes per frame, Apple table
 
 ``perception`` loads only the encoder and its projection (about 2.4 GB pinned at full
@@ -192,9 +192,11 @@ def measure_offline(path: Path, seconds: list[float]) -> dict:
     return {"turns": _offline_turns(model, tokenizer, seconds), "peak_rss_gb": _peak_rss() / 1e9}
 
 
-def _perception_only(path: Path, upstream: bool):
+def _perception_only(path: Path, upstream: bool, cpu_layer: bool = True):
     """The encoder and its projection with the checkpoint's weights (sanitized as the loader
-    does; ours pinned to f32 as at load)."""
+    does; ours pinned to f32 as at load and, with ``cpu_layer``, with the CPU layer's
+    perception parts installed as a CPU load installs them: two-core products, native
+    kernels, subsampling split, exact attention; self-measured on these shapes)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.models.nemotron_voicechat import Model as UpstreamModel
@@ -219,15 +221,33 @@ def _perception_only(path: Path, upstream: bool):
     if not upstream:
         pin_f32_weights(perception)
     mx.eval(perception.parameters())
+    if not upstream and cpu_layer:
+        from mlx_voicechat_plugin.accel.cpu import native
+        from mlx_voicechat_plugin.accel.cpu.attention import install_exact_attention
+        from mlx_voicechat_plugin.accel.cpu.convolutions import install_depthwise
+        from mlx_voicechat_plugin.accel.cpu.encoder import install_subsampling_split
+        from mlx_voicechat_plugin.accel.cpu.norms import install_kernel_norms
+        from mlx_voicechat_plugin.accel.cpu.parallel import install_split_linears
+
+        native.available()
+        install_split_linears(perception)
+        install_kernel_norms(perception)
+        install_depthwise(perception)
+        install_subsampling_split(perception.encoder.pre_encode)
+        install_exact_attention(perception.encoder)
+        if native.available():
+            from mlx_voicechat_plugin.accel.cpu.shapes import model_workloads
+
+            native.calibrate(model_workloads(perception, native.extension()))
     return model, sum(v.nbytes for _, v in tree_flatten(perception.parameters()))
 
 
-def measure_perception(path: Path, minutes: float, upstream: bool) -> dict:
+def measure_perception(path: Path, minutes: float, upstream: bool, cpu_layer: bool = True) -> dict:
     import mlx.core as mx
     import numpy as np
     from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram
 
-    model, weight_bytes = _perception_only(path, upstream)
+    model, weight_bytes = _perception_only(path, upstream, cpu_layer)
     rss_loaded = _rss()
     rng = np.random.default_rng(0)
     samples = (0.05 * rng.standard_normal(round(minutes * 60 * 16000))).astype(np.float32)
@@ -237,7 +257,7 @@ def measure_perception(path: Path, minutes: float, upstream: bool) -> dict:
     outputs = model.stt_model.perception(mel, mx.array([mel.shape[1]]))
     mx.eval(outputs)
     return {
-        "model": "upstream" if upstream else "ours",
+        "model": "upstream" if upstream else "ours" if cpu_layer else "ours, no CPU layer",
         "minutes": minutes,
         "encoder_frames": int(outputs[0].shape[1]),
         "weights_gb": weight_bytes / 1e9,
@@ -308,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     perception.add_argument("checkpoint", type=Path)
     perception.add_argument("--minutes", type=float, nargs="+", default=[1.0])
     perception.add_argument("--upstream", action="store_true")
+    perception.add_argument("--no-cpu-layer", action="store_true",
+                            help="ours without the CPU layer (plain MLX products, as upstream)")
     project = commands.add_parser("project")
     project.add_argument("checkpoint", type=Path)
     args = parser.parse_args(argv)
@@ -318,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.child:
         rest = [arg for arg in (argv if argv is not None else sys.argv[1:])]
         if args.command == "perception":  # one subprocess per length: peak RSS per input
-            base = ["perception", str(args.checkpoint), *(["--upstream"] if args.upstream else [])]
+            base = ["perception", str(args.checkpoint), *(["--upstream"] if args.upstream else []),
+                    *(["--no-cpu-layer"] if args.no_cpu_layer else [])]
             result = {"runs": [_in_subprocess([*base, "--minutes", str(m)]) for m in args.minutes]}
         else:
             result = _in_subprocess(rest)
@@ -329,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "offline":
         result = measure_offline(args.checkpoint, args.seconds)
     else:
-        result = measure_perception(args.checkpoint, args.minutes[0], args.upstream)
+        result = measure_perception(args.checkpoint, args.minutes[0], args.upstream, not args.no_cpu_layer)
     print(json.dumps(result))
     return 0
 
