@@ -8,18 +8,26 @@
   products, GELU, residual) is computed per time step, so long inputs (at least
   :data:`ROW_SPLIT_MIN_STEPS` steps) run the two halves of their steps on the two cores
   with one join per block, in chunks of :data:`ROW_CHUNK` rows; short inputs split each
-  pointwise product's output columns instead.
+  pointwise product's output columns instead;
+* :class:`FastVoiceChatCodec`: upstream ``NemotronVoiceChatCodec`` whose ``decode_latents``
+  takes the spectrum of 16-bit features from tables (:func:`spectrum_tables`) and
+  overlap-adds the inverse FFT's frames as shifted sums (:func:`overlap_add`) instead of a
+  scatter; both exact, and both costs grow with the rows of a batched decode.
 """
 
 from __future__ import annotations
 
+import math
+import threading
+
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_audio.codec.models.nemotron_voicechat.codec import ConvNeXtBlock1d
+from mlx_audio.codec.models.nemotron_voicechat.codec import ConvNeXtBlock1d, NemotronVoiceChatCodec
+from mlx_audio.dsp import hanning
 
 from ...model.codec import PatchConvTranspose1d, PointwiseConv1d
 from .activations import gelu
-from .native import matmul
+from .native import lookup16, matmul
 from .parallel import chunked_rows, split_columns
 
 #: Fewest time steps for which a ConvNeXt block splits its rows (not its products) over
@@ -96,16 +104,131 @@ class FastConvNeXtBlock1d(ConvNeXtBlock1d):
         return residual + hidden
 
 
+#: Upstream ``decode_latents``'s magnitude ceiling (``max_magnitude``).
+MAX_MAGNITUDE = 100.0
+
+_SPECTRUM_TABLES: dict = {}
+_SPECTRUM_LOCK = threading.Lock()
+
+
+def _magnitude(logits: mx.array) -> mx.array:
+    """Upstream ``decode_latents``'s magnitude of its logits, operation for operation."""
+    return MAX_MAGNITUDE * mx.exp(-nn.softplus(-logits + math.log(MAX_MAGNITUDE)))
+
+
+def spectrum_tables(dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
+    """``(magnitude, cos, sin)``: three ``(65536,)`` arrays of ``dtype`` holding, for every
+    bit pattern in pattern order, upstream ``decode_latents``'s magnitude of a logit
+    (``100 * exp(-softplus(-x + log 100))``), ``mx.cos`` and ``mx.sin`` of a phase.
+
+    Each is an elementwise function of one 16-bit value computed with the same operations
+    in the same dtype, so a lookup gives the same bits (as :func:`.activations.gelu_table`).
+
+    Raises:
+        ValueError: ``dtype`` is not bfloat16 or float16.
+    """
+    if dtype not in (mx.bfloat16, mx.float16):
+        raise ValueError(f"spectrum tables exist only for 16-bit floats, not {dtype}")
+    with _SPECTRUM_LOCK:
+        tables = _SPECTRUM_TABLES.get(dtype)
+        if tables is None:
+            patterns = mx.arange(1 << 16, dtype=mx.uint32).astype(mx.uint16).view(dtype)
+            tables = (_magnitude(patterns), mx.cos(patterns), mx.sin(patterns))
+            mx.eval(*tables)
+            _SPECTRUM_TABLES[dtype] = tables
+    return tables
+
+
+def overlap_add(frames: mx.array, hop: int) -> mx.array:
+    """The overlap-add of ``mlx_audio.dsp.ISTFTCache.istft`` without its scatter.
+
+    Args:
+        frames: ``(B, F, L)`` float32 windowed frames, ``L`` a multiple of ``hop``.
+        hop: samples between frames.
+
+    Returns:
+        ``(B, (F - 1) * hop + L)`` float32: each sample the sum, from zero and in frame
+        order, of the frames covering it -- the scatter-add's order, so the same bits
+        (a covering frame's zero padding adds ``+0``, which changes no partial sum).
+
+    Raises:
+        ValueError: ``L`` is not a multiple of ``hop``.
+    """
+    batch, count, length = frames.shape
+    if length % hop:
+        raise ValueError(f"frame length {length} is not a multiple of the hop {hop}")
+    pieces = length // hop
+    chunks = frames.reshape(batch, count, pieces, hop)
+    total = mx.zeros((batch, count + pieces - 1, hop), dtype=frames.dtype)
+    for piece in reversed(range(pieces)):  # frame f's piece j lands on block f + j: latest frame last
+        total = total + mx.pad(chunks[:, :, piece], ((0, 0), (piece, pieces - 1 - piece), (0, 0)))
+    return total.reshape(batch, -1)
+
+
+class FastVoiceChatCodec(NemotronVoiceChatCodec):
+    """Upstream ``NemotronVoiceChatCodec`` with a cheaper ``decode_latents`` tail (same
+    parameters, same output bits): the spectrum of bfloat16/float16 features by table
+    lookups (:func:`spectrum_tables`; two tables and a product per bin instead of nine
+    elementwise passes) and the inverse STFT's overlap-add as shifted sums
+    (:func:`overlap_add`). Other dtypes compute the spectrum as upstream does."""
+
+    def decode_latents(self, latents: mx.array, *, cache=None, flush: bool = False) -> mx.array:
+        """Upstream ``decode_latents``: ``(B, T, latent)`` latents -> ``(B, 1, samples)``."""
+        config = self.config
+        features = self.decoder(latents, cache=cache, flush=flush)  # (B, T, n_fft + 2)
+        bins = config.n_fft // 2 + 1
+        if features.dtype in (mx.bfloat16, mx.float16):
+            magnitudes, cosines, sines = spectrum_tables(features.dtype)
+            magnitude = lookup16(features[..., :bins], magnitudes)
+            phase = features[..., bins:]
+            real = magnitude * lookup16(phase, cosines)
+            imag = magnitude * lookup16(phase, sines)
+        else:
+            magnitude = _magnitude(features[..., :bins])
+            real = magnitude * mx.cos(features[..., bins:])
+            imag = magnitude * mx.sin(features[..., bins:])
+        # DC and Nyquist bins of an rFFT are real-valued (layout (B, T, bins) here).
+        imag = mx.concatenate([mx.zeros_like(imag[..., :1]), imag[..., 1:-1], mx.zeros_like(imag[..., -1:])], axis=-1)
+        half_spec_padding = math.ceil(((config.n_fft - config.hop_length) // 2) / config.hop_length)
+        if cache is not None:  # as upstream: the previous frames for the window's overlap
+            real = cache.update(real, "istft_real", 2 * half_spec_padding, flush=flush)
+            imag = cache.update(imag, "istft_imag", 2 * half_spec_padding, flush=flush)
+            if flush:
+                tail = mx.zeros((real.shape[0], half_spec_padding, real.shape[2]), dtype=real.dtype)
+                real = mx.concatenate([real, tail], axis=1)
+                imag = mx.concatenate([imag, tail], axis=1)
+        waveform = self._inverse_stft(real, imag)
+        pad_left = (config.n_fft - config.hop_length) // 2
+        pad_right = config.n_fft - config.hop_length - pad_left
+        waveform = waveform[:, pad_left : waveform.shape[-1] - pad_right]
+        if cache is not None:
+            half_wave_padding = half_spec_padding * config.hop_length
+            waveform = waveform[:, half_wave_padding:-half_wave_padding]
+        return waveform[:, None, :]
+
+    def _inverse_stft(self, real: mx.array, imag: mx.array) -> mx.array:
+        """``ISTFTCache.istft(real, imag, center=False, constrain_value_range=True)`` with a
+        periodic Hann window of ``n_fft`` for ``(B, frames, bins)`` spectra -> ``(B, samples)``."""
+        n_fft, hop = self.config.n_fft, self.config.hop_length
+        window = hanning(n_fft, periodic=True).astype(mx.float32)
+        frames = mx.fft.irfft(real + 1j * imag, n=n_fft, axis=-1)
+        envelope = window.astype(frames.dtype)
+        frames = mx.clip(frames, -envelope, envelope) * window
+        norm = self._istft_cache.get_norm_buffer(n_fft, hop, n_fft, window, frames.shape[1])
+        return overlap_add(frames, hop) / norm[None, :]
+
+
 _SWAPS = {
     PatchConvTranspose1d: SplitPatchConvTranspose1d,
     PointwiseConv1d: SplitPointwiseConv1d,
     ConvNeXtBlock1d: FastConvNeXtBlock1d,
+    NemotronVoiceChatCodec: FastVoiceChatCodec,
 }
 
 
 def install_codec_layers(module: nn.Module) -> int:
-    """Swap the classes of the matmul-form layers and ConvNeXt blocks under ``module``
-    (parameters untouched); returns how many changed."""
+    """Swap the classes of the matmul-form layers, the ConvNeXt blocks and the codec under
+    ``module`` (parameters untouched); returns how many changed."""
     changed = 0
     for _, child in module.named_modules():
         swap = _SWAPS.get(type(child))
