@@ -12,6 +12,8 @@ from ``resource.getrusage``; keep them under the machine's free memory):
     python scripts/full_size.py offline CKPT --seconds 1 5   # offline turns: stage times, peaks
     python scripts/full_size.py perception CKPT --minutes 1 2 [--upstream | --no-cpu-layer]
     python scripts/full_size.py project CKPT                 # bytes per frame, Apple table
+    python scripts/full_size.py products --rows 1 8 64 750   # quantized product, native vs MLX
+    python scripts/full_size.py lm-products CKPT             # a frame's quantized products
 
 ``perception`` loads only the encoder and its projection (about 2.4 GB pinned at full
 width), so long inputs fit beside the rest of the machine's work. Each command prints one
@@ -302,6 +304,100 @@ def bytes_per_frame(path: Path) -> dict:
     return {"bytes_per_frame_gb": total / 1e9, "by_part_gb": {k: v / 1e9 for k, v in by_part.items()}, "apple": table}
 
 
+def _time_once(function) -> float:
+    import mlx.core as mx
+
+    start = time.perf_counter()
+    mx.eval(function())
+    return time.perf_counter() - start
+
+
+def _product_pair(outputs: int, inner: int, rows: int, dtype, bits: int, group: int, repeats: int = 1) -> dict:
+    """The native quantized product against ``mx.quantized_matmul`` on random operands
+    (same bits checked), timed alternately ``repeats`` times; best seconds of each."""
+    import mlx.core as mx
+
+    from mlx_voicechat_plugin.accel.cpu import native
+
+    packed, scales, biases = mx.quantize(mx.random.normal((outputs, inner), dtype=dtype) * 0.5,
+                                         group_size=group, bits=bits)
+    x = mx.random.normal((rows, inner)).astype(dtype)
+    mx.eval(packed, scales, biases, x)
+    module = native.extension()
+
+    def ours():
+        return module.quantized_matmul(x, packed, scales, biases, group, bits)
+
+    def theirs():
+        return mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=group, bits=bits)
+
+    if not mx.array_equal(ours(), theirs()).item():
+        raise RuntimeError(f"native quantized product differs from MLX at {rows}x{inner} @ {inner}x{outputs}")
+    native_s, mlx_s = [], []
+    for index in range(repeats):
+        pair = ((ours, native_s), (theirs, mlx_s))
+        for function, times in pair if index % 2 == 0 else pair[::-1]:
+            times.append(_time_once(function))
+    return {"native_ms": round(min(native_s) * 1e3, 3), "mlx_ms": round(min(mlx_s) * 1e3, 3),
+            "ratio": round(min(native_s) / min(mlx_s), 4)}
+
+
+def measure_products(rows: list[int], dtypes: list[str], outputs: int, inner: int, bits: int, group: int) -> dict:
+    """The quantized product alone, native kernel vs MLX, per row count and dtype."""
+    import mlx.core as mx
+
+    from mlx_voicechat_plugin.accel.cpu import native
+
+    if not native.available():
+        return {"error": f"native kernels {native.status()}"}
+    results = []
+    for name in dtypes:
+        for count in rows:
+            pair = _product_pair(outputs, inner, count, getattr(mx, name), bits, group, repeats=3 if count <= 64 else 1)
+            results.append({"dtype": name, "rows": count, "shape": f"{count}x{inner} @ {inner}x{outputs}",
+                            "bits": bits, "group_size": group, **pair})
+    return {"products": results, "load_average": os.getloadavg()}
+
+
+def measure_lm_products(path: Path, rows: int = 1) -> dict:
+    """Per streamed frame, the language model's quantized products (every quantized weight
+    in the checkpoint read once, ``rows`` rows, the scales' dtype), native vs MLX: each
+    distinct shape timed once, times multiplied by how often the model has it."""
+    import mlx.core as mx
+
+    from mlx_voicechat_plugin.accel.cpu import native
+
+    if not native.available():
+        return {"error": f"native kernels {native.status()}"}
+    config = json.loads((path / "config.json").read_text())
+    quantization = config.get("quantization", {})
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    shapes: dict[tuple, int] = {}
+    for shard in sorted(set(index.values())):
+        tensors = mx.load(str(path / shard))
+        for key, value in tensors.items():
+            if not key.endswith(".scales") or "embed_tokens" in key:  # embeddings are gathered
+                continue
+            module = key[: -len(".scales")]
+            spec = quantization.get(module, {})
+            bits = spec.get("bits", quantization.get("bits", 4)) if isinstance(spec, dict) else quantization.get("bits", 4)
+            group = spec.get("group_size", quantization.get("group_size", 64)) if isinstance(spec, dict) else 64
+            outputs, groups = value.shape
+            entry = (outputs, groups * group, bits, group, str(value.dtype).rsplit(".", 1)[-1])
+            shapes[entry] = shapes.get(entry, 0) + 1
+        del tensors
+    total_native = total_mlx = 0.0
+    rows_out = []
+    for (outputs, inner, bits, group, dtype), count in sorted(shapes.items(), key=lambda item: -item[0][0] * item[0][1] * item[1]):
+        pair = _product_pair(outputs, inner, rows, getattr(mx, dtype), bits, group)
+        total_native += count * pair["native_ms"]
+        total_mlx += count * pair["mlx_ms"]
+        rows_out.append({"shape": f"{rows}x{inner} @ {inner}x{outputs}", "bits": bits, "group_size": group,
+                         "dtype": dtype, "count": count, **pair})
+    return {"rows": rows, "per_frame_native_ms": round(total_native, 1), "per_frame_mlx_ms": round(total_mlx, 1),
+            "ratio": round(total_native / total_mlx, 4), "shapes": rows_out, "load_average": os.getloadavg()}
+
+
 def _in_subprocess(argv: list[str]) -> dict:
     done = subprocess.run([sys.executable, __file__, "--child", *argv], capture_output=True, text=True)
     if done.returncode != 0:
@@ -330,6 +426,15 @@ def main(argv: list[str] | None = None) -> int:
     perception.add_argument("--upstream", action="store_true")
     perception.add_argument("--no-cpu-layer", action="store_true",
                             help="ours without the CPU layer (plain MLX products, as upstream)")
+    products = commands.add_parser("products", help="the quantized product alone, native vs MLX")
+    products.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 750])
+    products.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    products.add_argument("--shape", type=int, nargs=2, default=[4096, 1024], metavar=("OUTPUTS", "INNER"))
+    products.add_argument("--bits", type=int, default=4)
+    products.add_argument("--group-size", type=int, default=64)
+    lm = commands.add_parser("lm-products", help="a frame's quantized products (the checkpoint's shapes)")
+    lm.add_argument("checkpoint", type=Path)
+    lm.add_argument("--rows", type=int, default=1)
     project = commands.add_parser("project")
     project.add_argument("checkpoint", type=Path)
     args = parser.parse_args(argv)
@@ -337,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "project":
         result = bytes_per_frame(args.checkpoint)
+    elif args.command == "products":
+        result = measure_products(args.rows, args.dtypes, *args.shape, args.bits, args.group_size)
+    elif args.command == "lm-products":
+        result = measure_lm_products(args.checkpoint, args.rows)
     elif not args.child:
         rest = [arg for arg in (argv if argv is not None else sys.argv[1:])]
         if args.command == "perception":  # one subprocess per length: peak RSS per input
