@@ -1,6 +1,7 @@
 """The CPU layer's codec tail (issue #14): the spectrum by table lookups and the inverse
 STFT's overlap-add as shifted sums give upstream ``decode_latents``'s bits, streamed (one
-or several rows, flush included) and offline, bfloat16 and float32."""
+or several rows, flush included) and offline, bfloat16 and float32; the ConvNeXt norm with
+one shared mean gives upstream ``ChannelLayerNorm``'s bits."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_audio.codec.models.nemotron_voicechat import CausalConv1dCache
-from mlx_audio.codec.models.nemotron_voicechat.codec import NemotronVoiceChatCodec
+from mlx_audio.codec.models.nemotron_voicechat.codec import ChannelLayerNorm, NemotronVoiceChatCodec
 from mlx_audio.dsp import ISTFTCache
 
 from mlx_voicechat_plugin.accel.cpu.codec import (
     FastVoiceChatCodec,
+    SharedMeanChannelLayerNorm,
     install_codec_layers,
     overlap_add,
     spectrum_tables,
@@ -106,3 +108,17 @@ def test_offline_decode_equals_upstream(source):
     quantizers, size = len(source.prvq.mus_list), source.prvq.mus_list[0].shape[0]
     codes = mx.array(rng.integers(0, size, (2, quantizers, 6)).astype(np.int32))
     np.testing.assert_array_equal(_bits(ours.decode(codes)), _bits(upstream.decode(codes)))
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("channels", [64, 96])
+def test_shared_mean_norm_equals_upstream(dtype, channels):
+    mx.random.seed(channels)
+    upstream = ChannelLayerNorm(channels)
+    upstream.update({"weight": mx.random.normal((channels,)).astype(dtype), "bias": mx.random.normal((channels,)).astype(dtype)})
+    ours = ChannelLayerNorm(channels)
+    ours.update(upstream.parameters())
+    assert install_codec_layers(ours) == 1 and isinstance(ours, SharedMeanChannelLayerNorm)
+    for scale in (1e-3, 1.0, 300.0):
+        x = (scale * mx.random.normal((3, 37, channels)) + scale).astype(dtype)
+        np.testing.assert_array_equal(_bits(ours(x)), _bits(upstream(x)))

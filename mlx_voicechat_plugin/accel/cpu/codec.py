@@ -9,6 +9,8 @@
   :data:`ROW_SPLIT_MIN_STEPS` steps) run the two halves of their steps on the two cores
   with one join per block, in chunks of :data:`ROW_CHUNK` rows; short inputs split each
   pointwise product's output columns instead;
+* :class:`SharedMeanChannelLayerNorm`: upstream ``ChannelLayerNorm`` computing its mean
+  and centred input once (``mx.var`` recomputes both inside);
 * :class:`FastVoiceChatCodec`: upstream ``NemotronVoiceChatCodec`` whose ``decode_latents``
   takes the spectrum of 16-bit features from tables (:func:`spectrum_tables`) and
   overlap-adds the inverse FFT's frames as shifted sums (:func:`overlap_add`) instead of a
@@ -22,7 +24,11 @@ import threading
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_audio.codec.models.nemotron_voicechat.codec import ConvNeXtBlock1d, NemotronVoiceChatCodec
+from mlx_audio.codec.models.nemotron_voicechat.codec import (
+    ChannelLayerNorm,
+    ConvNeXtBlock1d,
+    NemotronVoiceChatCodec,
+)
 from mlx_audio.dsp import hanning
 
 from ...model.codec import PatchConvTranspose1d, PointwiseConv1d
@@ -102,6 +108,22 @@ class FastConvNeXtBlock1d(ConvNeXtBlock1d):
             if activation is not None:
                 hidden = activation(hidden)
         return residual + hidden
+
+
+class SharedMeanChannelLayerNorm(ChannelLayerNorm):
+    """Upstream ``ChannelLayerNorm`` (``(B, T, C)`` over channels, same parameters, same
+    bits) with one mean and one centring instead of two each.
+
+    MLX's ``var(x)`` is ``sum(square(x - mean(x, keepdims=True))) * (1 / n)``, i.e.
+    ``mean(square(x - mean(x)))``, and upstream also centres ``x`` with the same mean; the
+    mean and the centred input are computed once here and shared (two full-size passes
+    and a reduction fewer per call), every remaining operation as upstream's.
+    """
+
+    def __call__(self, inputs: mx.array) -> mx.array:
+        centred = inputs - mx.mean(inputs, axis=-1, keepdims=True)
+        variance = mx.mean(mx.square(centred), axis=-1, keepdims=True)
+        return centred * mx.rsqrt(variance + self.eps) * self.weight + self.bias
 
 
 #: Upstream ``decode_latents``'s magnitude ceiling (``max_magnitude``).
@@ -223,12 +245,13 @@ _SWAPS = {
     PointwiseConv1d: SplitPointwiseConv1d,
     ConvNeXtBlock1d: FastConvNeXtBlock1d,
     NemotronVoiceChatCodec: FastVoiceChatCodec,
+    ChannelLayerNorm: SharedMeanChannelLayerNorm,
 }
 
 
 def install_codec_layers(module: nn.Module) -> int:
-    """Swap the classes of the matmul-form layers, the ConvNeXt blocks and the codec under
-    ``module`` (parameters untouched); returns how many changed."""
+    """Swap the classes of the matmul-form layers, the ConvNeXt blocks, their norms and the
+    codec under ``module`` (parameters untouched); returns how many changed."""
     changed = 0
     for _, child in module.named_modules():
         swap = _SWAPS.get(type(child))
