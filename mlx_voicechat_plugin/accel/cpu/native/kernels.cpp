@@ -1027,7 +1027,28 @@ struct RoundTo<mx::bfloat16_t> {
     r = select_bits(nan, splat(0x7FC00000u), r);
     return as_vf(r);
   }
+
+  // The same rounding without the NaN case, for the sums' inner loop: there every operand
+  // is a bfloat16 value (low 16 bits zero), so a NaN result carries such a payload too and
+  // the rounding keeps it a NaN (only its sign/payload may differ from 0x7FC0); the final
+  // conversion of the sum to bfloat16 (MLX's constructor) makes every NaN 0x7FC0, as MLX's
+  // bfloat16 sum is.
+  static inline vf finite(vf x) {
+    const vu u = as_vu(x);
+    const vu r = (u + (((u >> 16) & 1u) + 0x7FFFu)) & 0xFFFF0000u;
+    return as_vf(r);
+  }
 };
+
+// The rounding inside qblock's sums (bfloat16: RoundTo::finite, see there).
+template <typename T>
+inline vf round_in_sum(vf x) {
+  if constexpr (std::is_same_v<T, mx::bfloat16_t>) {
+    return RoundTo<T>::finite(x);
+  } else {
+    return RoundTo<T>::apply(x);
+  }
+}
 
 // _MLX_Float16(float) and its operator float() (the FP16 library's magic-number
 // conversions, NaN -> sign | 0x7D00), lane by lane.
@@ -1080,10 +1101,10 @@ inline void qblock(const float* a, long K, const float* panel, float* out, long 
     const vf b1 = load(panel + k * kPanel + kLanes);
     for (int r = 0; r < R; ++r) {
       const vf x = vf{} + a[r * K + k];
-      const vf p0 = RoundTo<T>::apply(x * b0);
-      const vf p1 = RoundTo<T>::apply(x * b1);
-      acc0[r] = RoundTo<T>::apply(acc0[r] + p0);
-      acc1[r] = RoundTo<T>::apply(acc1[r] + p1);
+      const vf p0 = round_in_sum<T>(x * b0);
+      const vf p1 = round_in_sum<T>(x * b1);
+      acc0[r] = round_in_sum<T>(acc0[r] + p0);
+      acc1[r] = round_in_sum<T>(acc1[r] + p1);
     }
   }
   for (int r = 0; r < R; ++r) {
