@@ -3,7 +3,8 @@
 Per session, as alone: the log-mel front end (``MelFrontend``) and, following upstream
 ``ConformerStreamingState.push(mel, emit_partial=True)`` and our
 ``ProjectedStreamingState._encode_mel_chunk``, the subsampling pre-encoder over the
-session's own mel window with its bookkeeping. Each chunk's encoder layers then run for all
+session's own mel window with its bookkeeping, computing only the subsampled rows the frame
+keeps (:func:`pre_encode_rows`; the solo path recomputes the whole window). Each chunk's encoder layers then run for all
 sessions at once, chunk by chunk ("rounds": a session's second chunk of a frame, if any,
 follows its first): the feed-forward modules, norms, key/value projections, pointwise
 convolutions, the depthwise convolution over the stacked windows and the batch norm run over
@@ -23,16 +24,92 @@ from mlx_audio.stt.models.nemotron_asr.streaming import _PRE_ENCODE_MEL_CACHE
 from ..streaming.conformer import _attend
 
 
+def _strided_lengths(subsampling, length: int) -> list[int]:
+    """Time lengths of the input and of each strided convolution's output."""
+    lengths = [length]
+    span = subsampling.pad_left + subsampling.pad_right - subsampling.kernel_size
+    for _ in subsampling._strided_idx:
+        lengths.append((lengths[-1] + span) // subsampling.stride + 1)
+    return lengths
+
+
+def pre_encode_rows(subsampling, window: mx.array, lo: int, hi: int) -> mx.array:
+    """Rows ``[lo, hi)`` of upstream ``CausalDwStridingSubsampling(window, [T])[0]``,
+    computing only the rows they depend on.
+
+    A streamed frame re-runs the subsampling over its mel window (the cached frames plus
+    the new ones) and keeps one or two of the output rows; the rest is recomputed every
+    frame. Here each strided convolution runs over the input rows its kept output rows
+    read (with the same causal zero padding where they reach past either end), the
+    pointwise layers and the output projection over the kept rows only. Every output
+    element is computed by the same operations on the same inputs (MLX's convolutions and
+    the CPU layer's products compute each output element on its own), so the rows are
+    bit-identical to slicing the full output (``tests/test_batch_speech.py``).
+
+    Args:
+        subsampling: the encoder's ``pre_encode`` (upstream ``CausalDwStridingSubsampling``).
+        window: ``(B, T, n_mels)`` mel frames.
+        lo, hi: the output rows wanted, ``0 <= lo < hi <= `` the subsampled length.
+
+    Returns:
+        ``(B, hi - lo, d_model)``.
+
+    Raises:
+        ValueError: ``lo``/``hi`` outside the subsampled length or empty.
+    """
+    lengths = _strided_lengths(subsampling, window.shape[1])
+    if not 0 <= lo < hi <= lengths[-1]:
+        raise ValueError(f"pre_encode rows [{lo}, {hi}) outside the {lengths[-1]} subsampled rows")
+    stride, kernel, pad_left = subsampling.stride, subsampling.kernel_size, subsampling.pad_left
+    # Backwards: the output rows of each strided convolution its successor reads.
+    wanted = [(lo, hi)]
+    for length in reversed(lengths[1:-1]):
+        first, stop = wanted[0]
+        wanted.insert(0, (max(0, stride * first - pad_left), min(length, stride * (stop - 1) - pad_left + kernel)))
+    first, stop = wanted[0]
+    start, end = max(0, stride * first - pad_left), min(lengths[0], stride * (stop - 1) - pad_left + kernel)
+    x = mx.expand_dims(window[:, start:end], axis=-1)
+    strided = 0
+    for index, layer in enumerate(subsampling.conv):
+        if index in subsampling._strided_idx:
+            first, stop = wanted[strided]
+            strided += 1
+            # the padded rows [stride * first, stride * (stop - 1) + kernel): zeros where
+            # they fall before the input (left padding) or after it (right padding)
+            before = start - (stride * first - pad_left)
+            after = (stride * (stop - 1) - pad_left + kernel) - end
+            x = mx.pad(x, ((0, 0), (before, after), (pad_left, subsampling.pad_right), (0, 0)))
+            start, end = first, stop
+        x = layer(x)
+    b, t, f, c = x.shape
+    return subsampling.out(x.transpose(0, 1, 3, 2).reshape(b, t, c * f))
+
+
+def _trimmable(subsampling) -> bool:
+    """Whether :func:`pre_encode_rows` knows this subsampling (upstream's causal stack)."""
+    return all(
+        hasattr(subsampling, name)
+        for name in ("conv", "out", "_strided_idx", "stride", "kernel_size", "pad_left", "pad_right")
+    )
+
+
 def _pre_encode(state, m: mx.array, include_boundary: bool) -> mx.array | None:
-    """``ProjectedStreamingState._encode_mel_chunk`` up to (not including) the layers."""
+    """``ProjectedStreamingState._encode_mel_chunk`` up to (not including) the layers, the
+    subsampling run only for the rows kept (:func:`pre_encode_rows`)."""
     cache_len = 0 if state.mel_cache is None else state.mel_cache.shape[1]
     win = m if state.mel_cache is None else mx.concatenate([state.mel_cache, m], axis=1)
-    # a Python list of lengths, as ProjectedStreamingState: no host round trip (upstream int())
-    sub = state.encoder.pre_encode(win, [win.shape[1]])[0]
+    subsampling = state.encoder.pre_encode
+    trim = _trimmable(subsampling)
+    # the subsampled length, from the lengths alone (no host round trip, no computation)
+    rows = _strided_lengths(subsampling, win.shape[1])[-1] if trim else None
+    sub = None
+    if rows is None:  # a Python list of lengths, as ProjectedStreamingState (upstream int())
+        sub = subsampling(win, [win.shape[1]])[0]
+        rows = sub.shape[1]
     end = state.consumed + m.shape[1]
     base = (state.consumed - cache_len) // state.subsampling_factor
     lo = state.emitted - base
-    hi = sub.shape[1] if include_boundary else (end // state.subsampling_factor - base)
+    hi = rows if include_boundary else (end // state.subsampling_factor - base)
     state.consumed = end
     keep = _PRE_ENCODE_MEL_CACHE + (end - _PRE_ENCODE_MEL_CACHE) % state.subsampling_factor
     state.mel_cache = win[:, -keep:]
@@ -40,6 +117,10 @@ def _pre_encode(state, m: mx.array, include_boundary: bool) -> mx.array | None:
         state.emitted = base + max(lo, hi)
         return None
     state.emitted = base + hi
+    if sub is None and 0 <= lo and hi <= rows:
+        return pre_encode_rows(subsampling, win, lo, hi)
+    if sub is None:
+        sub = subsampling(win, [win.shape[1]])[0]
     return sub[:, lo:hi]
 
 

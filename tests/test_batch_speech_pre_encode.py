@@ -1,0 +1,45 @@
+"""The batched perception's trimmed subsampling (``runtime/batch/perception.py``,
+issue #14): only the kept rows computed, bit-identical to slicing the full output."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_voicechat_plugin.runtime.batch.perception import _strided_lengths, pre_encode_rows
+
+
+def test_trimmed_rows_equal_the_full_subsampling(models):
+    """Every window length from 1 to 40 mel frames and every row range: the same bits as
+    upstream's subsampling over the whole window, sliced (two sessions' windows stacked)."""
+    model, *_ = models("tiny")
+    subsampling = model.stt_model.perception.encoder.pre_encode
+    rng = np.random.default_rng(0)
+    checked = 0
+    for length in range(1, 41):
+        window = mx.array(rng.standard_normal((2, length, _mels(model))).astype(np.float32))
+        full = subsampling(window, [length, length])[0]
+        rows = full.shape[1]
+        assert _strided_lengths(subsampling, length)[-1] == rows
+        for lo in range(rows):
+            for hi in range(lo + 1, rows + 1):
+                got = pre_encode_rows(subsampling, window, lo, hi)
+                assert got.shape == (2, hi - lo, full.shape[2])
+                assert mx.array_equal(got, full[:, lo:hi]).item(), (length, lo, hi)
+                checked += 1
+    assert checked > 100
+
+
+def test_rows_outside_the_output_are_refused(models):
+    model, *_ = models("tiny")
+    subsampling = model.stt_model.perception.encoder.pre_encode
+    window = mx.zeros((1, 24, _mels(model)))
+    rows = _strided_lengths(subsampling, 24)[-1]
+    for lo, hi in ((0, rows + 1), (-1, 1), (2, 2)):
+        with pytest.raises(ValueError, match="outside"):
+            pre_encode_rows(subsampling, window, lo, hi)
+
+
+def _mels(model) -> int:
+    return model.stt_model.perception.encoder.args.feat_in
