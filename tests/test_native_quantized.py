@@ -254,3 +254,14 @@ def test_calibration_times_the_models_quantized_shapes(kernels):
     }
     for workload in found:
         assert _same(workload.native(), workload.reference()), workload.description
+
+
+def test_status_command_says_when_the_self_test_switched_it_off(kernels, monkeypatch, capsys):
+    from mlx_voicechat_plugin.accel.cpu.native.__main__ import main
+
+    monkeypatch.setenv("MLX_VOICECHAT_NATIVE_MEASURE", "0")
+    assert main([]) == 0
+    assert "quantized product: off" not in capsys.readouterr().out
+    monkeypatch.setitem(native._state, "quantized_off", "RuntimeError: mismatch")
+    assert main([]) == 0
+    assert "quantized product: off (self-test: RuntimeError: mismatch)" in capsys.readouterr().out

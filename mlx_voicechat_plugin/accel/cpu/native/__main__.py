@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     module = extension()
     print(f"variant: {module.isa} ({module.lanes} floats per vector)")
     print(f"built at: {module.__file__}")
+    from . import _state
+
+    if _state["quantized_off"]:
+        print(f"quantized product: off (self-test: {_state['quantized_off']}); mx.quantized_matmul runs")
     if not measuring_enabled():
         print("self-measurement: off (MLX_VOICECHAT_NATIVE_MEASURE=0): every kernel family on")
         return 0
