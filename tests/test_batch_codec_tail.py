@@ -1,7 +1,8 @@
 """The CPU layer's codec tail (issue #14): the spectrum by table lookups and the inverse
 STFT's overlap-add as shifted sums give upstream ``decode_latents``'s bits, streamed (one
 or several rows, flush included) and offline, bfloat16 and float32; the ConvNeXt norm with
-one shared mean gives upstream ``ChannelLayerNorm``'s bits."""
+one shared mean gives upstream ``ChannelLayerNorm``'s bits; the product weights are held
+row-major for the products (same values)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,15 @@ from mlx_voicechat_plugin.accel.cpu.codec import (
     SharedMeanChannelLayerNorm,
     install_codec_layers,
     overlap_add,
+    product_layout,
     spectrum_tables,
 )
-from mlx_voicechat_plugin.model.codec import ShapeKeyedISTFTCache, install_patch_upsampling
+from mlx_voicechat_plugin.model.codec import (
+    PatchConvTranspose1d,
+    PointwiseConv1d,
+    ShapeKeyedISTFTCache,
+    install_patch_upsampling,
+)
 
 
 def _bits(array: mx.array) -> np.ndarray:
@@ -122,3 +129,25 @@ def test_shared_mean_norm_equals_upstream(dtype, channels):
     for scale in (1e-3, 1.0, 300.0):
         x = (scale * mx.random.normal((3, 37, channels)) + scale).astype(dtype)
         np.testing.assert_array_equal(_bits(ours(x)), _bits(upstream(x)))
+
+
+def test_product_weights_are_held_row_major_for_the_products(source):
+    weight = mx.random.normal((6, 1, 4))
+    laid = product_layout(weight)
+    assert laid.shape == weight.shape and mx.array_equal(laid, weight).item()
+    assert memoryview(laid[:, 0, :].T).c_contiguous and not memoryview(weight[:, 0, :].T).c_contiguous
+    ours = NemotronVoiceChatCodec(source.config)
+    install_patch_upsampling(ours.decoder)
+    ours.update(tree_unflatten([(k, v.astype(mx.float32)) for k, v in tree_flatten(source.parameters())]))
+    before = dict(tree_flatten(ours.parameters()))
+    install_codec_layers(ours)
+    after = dict(tree_flatten(ours.parameters()))
+    assert before.keys() == after.keys() and all(mx.array_equal(before[k], after[k]).item() for k in before)
+    matrices = []
+    for layer in ours.decoder.layers:
+        if isinstance(layer, PatchConvTranspose1d):
+            matrices.append(layer.matrix())
+        pointwise = [layer] if isinstance(layer, PointwiseConv1d) else [getattr(layer, "pwconv1", None), getattr(layer, "pwconv2", None)]
+        matrices += [conv.weight[:, 0, :].T for conv in pointwise if conv is not None]
+    assert len(matrices) == 2 * len(ours.config.downsample_rates) * ours.config.blocks_per_stage + 4
+    assert all(memoryview(matrix).c_contiguous for matrix in matrices)
