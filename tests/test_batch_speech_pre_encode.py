@@ -7,7 +7,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_voicechat_plugin.runtime.batch.perception import _strided_lengths, pre_encode_rows
+from mlx_voicechat_plugin.runtime.batch.perception import (
+    _strided_lengths,
+    _subsample,
+    pre_encode_rows,
+)
 
 
 def test_trimmed_rows_equal_the_full_subsampling(models):
@@ -43,3 +47,20 @@ def test_rows_outside_the_output_are_refused(models):
 
 def _mels(model) -> int:
     return model.stt_model.perception.encoder.args.feat_in
+
+
+def test_stacked_windows_give_each_window_its_own_rows(models):
+    """Sessions' windows stacked into one trimmed subsampling (:func:`_subsample`): each
+    session's rows equal its window run alone, also when the windows differ in length or
+    kept rows (separate groups) or a plan is outside the trimmable range (whole window)."""
+    model, *_ = models("tiny")
+    subsampling = model.stt_model.perception.encoder.pre_encode
+    rng = np.random.default_rng(5)
+    plans = []
+    for length, lo, hi in ((24, 3, 4), (24, 3, 4), (17, 1, 3), (24, 3, 4), (24, 2, 4), (9, -1, 2)):
+        window = mx.array((rng.standard_normal((1, length, _mels(model))) * 4).astype(np.float32))
+        plans.append((window, lo, hi))
+    got = _subsample(subsampling, plans)
+    for (window, lo, hi), rows in zip(plans, got):
+        full = subsampling(window, [window.shape[1]])[0]
+        assert mx.array_equal(rows, full[:, lo:hi]).item(), (window.shape, lo, hi)

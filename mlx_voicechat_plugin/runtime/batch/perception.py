@@ -2,10 +2,12 @@
 
 Per session, as alone: the log-mel front end (``MelFrontend``) and, following upstream
 ``ConformerStreamingState.push(mel, emit_partial=True)`` and our
-``ProjectedStreamingState._encode_mel_chunk``, the subsampling pre-encoder over the
-session's own mel window with its bookkeeping, computing only the subsampled rows the frame
-keeps (:func:`pre_encode_rows`; the solo path recomputes the whole window). Each chunk's encoder layers then run for all
-sessions at once, chunk by chunk ("rounds": a session's second chunk of a frame, if any,
+``ProjectedStreamingState._encode_mel_chunk``, the bookkeeping of the subsampling
+pre-encoder's mel window. The subsampling then runs once for the sessions whose windows
+have the same length and keep the same rows (all of them once they stream in step), over
+their stacked windows, computing only the subsampled rows the frame keeps
+(:func:`pre_encode_rows`; a solo frame recomputes its whole window). Each chunk's encoder
+layers then run for all sessions at once, chunk by chunk ("rounds": a session's second chunk of a frame, if any,
 follows its first): the feed-forward modules, norms, key/value projections, pointwise
 convolutions, the depthwise convolution over the stacked windows and the batch norm run over
 the stacked ``(B, 1, d)`` rows; the attention (:func:`~..streaming.conformer._attend`,
@@ -93,19 +95,14 @@ def _trimmable(subsampling) -> bool:
     )
 
 
-def _pre_encode(state, m: mx.array, include_boundary: bool) -> mx.array | None:
-    """``ProjectedStreamingState._encode_mel_chunk`` up to (not including) the layers, the
-    subsampling run only for the rows kept (:func:`pre_encode_rows`)."""
+def _pre_encode(state, m: mx.array, include_boundary: bool) -> tuple[mx.array, int, int] | None:
+    """``ProjectedStreamingState._encode_mel_chunk``'s bookkeeping up to (not including) the
+    layers: the chunk's mel window and the subsampled rows ``[lo, hi)`` it keeps (None:
+    none), computed later for all sessions at once (:func:`_subsample`)."""
     cache_len = 0 if state.mel_cache is None else state.mel_cache.shape[1]
     win = m if state.mel_cache is None else mx.concatenate([state.mel_cache, m], axis=1)
-    subsampling = state.encoder.pre_encode
-    trim = _trimmable(subsampling)
-    # the subsampled length, from the lengths alone (no host round trip, no computation)
-    rows = _strided_lengths(subsampling, win.shape[1])[-1] if trim else None
-    sub = None
-    if rows is None:  # a Python list of lengths, as ProjectedStreamingState (upstream int())
-        sub = subsampling(win, [win.shape[1]])[0]
-        rows = sub.shape[1]
+    # the subsampled length from the lengths alone (no host round trip, nothing computed)
+    rows = state.encoder.pre_encode._calc_length(win.shape[1])
     end = state.consumed + m.shape[1]
     base = (state.consumed - cache_len) // state.subsampling_factor
     lo = state.emitted - base
@@ -117,20 +114,37 @@ def _pre_encode(state, m: mx.array, include_boundary: bool) -> mx.array | None:
         state.emitted = base + max(lo, hi)
         return None
     state.emitted = base + hi
-    if sub is None and 0 <= lo and hi <= rows:
-        return pre_encode_rows(subsampling, win, lo, hi)
-    if sub is None:
-        sub = subsampling(win, [win.shape[1]])[0]
-    return sub[:, lo:hi]
+    return win, lo, hi
 
 
-def _chunks(state, mel: mx.array) -> list[mx.array]:
+def _subsample(subsampling, plans: list[tuple[mx.array, int, int]]) -> list[mx.array]:
+    """Each plan's ``(1, hi - lo, d)`` subsampled rows. Plans with the same window length
+    and rows (every session's, once they stream in step) run as one stacked
+    :func:`pre_encode_rows` call: the convolutions and products compute each batch item on
+    its own, so each session's rows are its solo bits."""
+    results: list[mx.array | None] = [None] * len(plans)
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    trim = _trimmable(subsampling)
+    for index, (win, lo, hi) in enumerate(plans):
+        rows = subsampling._calc_length(win.shape[1])
+        if trim and 0 <= lo < hi <= rows:
+            groups.setdefault((win.shape[1], lo, hi), []).append(index)
+        else:  # upstream's whole window, sliced (a Python list of lengths: no host round trip)
+            results[index] = subsampling(win, [win.shape[1]])[0][:, lo:hi]
+    for (_, lo, hi), members in groups.items():
+        rows = pre_encode_rows(subsampling, _stacked([plans[index][0] for index in members]), lo, hi)
+        for position, index in enumerate(members):
+            results[index] = rows if len(members) == 1 else rows[position : position + 1]
+    return results
+
+
+def _chunks(state, mel: mx.array) -> list[tuple[mx.array, int, int]]:
     """Upstream ``ConformerStreamingState.push(mel, emit_partial=True)``, returning each
-    chunk's pre-encoded rows (the layers still to run)."""
+    chunk's window and kept rows (:func:`_pre_encode`; the layers still to run)."""
     if state.closed:
         raise RuntimeError("conformer streaming state is closed")
     state._append_pending(mel)
-    rows = []
+    plans = []
     while state.pending is not None and state.pending.shape[1] > 0:
         chunk_mel = state.first_chunk_mel if state.consumed == 0 else state.chunk_mel
         take = min(chunk_mel, state.pending.shape[1])
@@ -138,10 +152,10 @@ def _chunks(state, mel: mx.array) -> list[mx.array]:
             take = state.pending.shape[1]
         m = state.pending[:, :take]
         state.pending = state.pending[:, take:]
-        pre = _pre_encode(state, m, state.pending.shape[1] == 0)
-        if pre is not None:
-            rows.append(pre)
-    return rows
+        plan = _pre_encode(state, m, state.pending.shape[1] == 0)
+        if plan is not None:
+            plans.append(plan)
+    return plans
 
 
 def _stacked(arrays: list[mx.array]) -> mx.array:
@@ -238,7 +252,7 @@ def encode_frames(encoder, states: list, mels: list[mx.array]) -> list[list[mx.a
     rounds = max((len(rows) for rows in pending), default=0)
     for round_index in range(rounds):
         members = [i for i, rows in enumerate(pending) if len(rows) > round_index]
-        hs = [pending[i][round_index] for i in members]
+        hs = _subsample(encoder.pre_encode, [pending[i][round_index] for i in members])
         if len(members) > 1 and all(h.shape[1] == 1 for h in hs):
             h = mx.concatenate(hs, axis=0)
             group = [states[i] for i in members]
