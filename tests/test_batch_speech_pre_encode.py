@@ -64,3 +64,31 @@ def test_stacked_windows_give_each_window_its_own_rows(models):
     for (window, lo, hi), rows in zip(plans, got):
         full = subsampling(window, [window.shape[1]])[0]
         assert mx.array_equal(rows, full[:, lo:hi]).item(), (window.shape, lo, hi)
+
+
+@pytest.mark.parametrize("taps", [True, False])
+def test_depthwise_subsampling_conv_equals_conv2d(monkeypatch, taps):
+    """The subsampling's depthwise convolution as a sum of strided taps (small float32
+    windows) and as the two-core convolution (larger ones): nn.Conv2d's bits, with and
+    without bias, over random shapes and magnitudes."""
+    import mlx.nn as nn
+
+    from mlx_voicechat_plugin.accel.cpu import encoder
+
+    if not taps:
+        monkeypatch.setattr(encoder, "MAX_TAP_OUTPUT", 0)
+    called = []
+    real = encoder.tap_sum_depthwise
+    monkeypatch.setattr(encoder, "tap_sum_depthwise", lambda *args: called.append(1) or real(*args))
+    rng = np.random.default_rng(2)
+    for trial in range(12):
+        channels, stride = int(rng.choice([8, 128])), (2, 2) if trial % 3 else (1, 2)
+        reference = nn.Conv2d(channels, channels, 3, stride=stride, groups=channels, bias=bool(trial % 2))
+        fast = nn.Conv2d(channels, channels, 3, stride=stride, groups=channels, bias=bool(trial % 2))
+        fast.update(reference.parameters())
+        fast.__class__ = encoder.SplitDepthwiseConv2d
+        shape = (int(rng.integers(1, 5)), int(rng.integers(3, 20)), int(rng.integers(3, 70)), channels)
+        x = mx.array((rng.standard_normal(shape) * rng.choice([1e-3, 1.0, 50.0])).astype(np.float32))
+        assert mx.array_equal(fast(x), reference(x)).item(), (trial, shape)
+        assert mx.array_equal(fast(x.astype(mx.bfloat16)), reference(x.astype(mx.bfloat16))).item()
+    assert bool(called) == taps

@@ -2,9 +2,11 @@
 
 The depthwise-striding stack's 1x1 convolutions run as one matrix product against a
 row-contiguous float32 copy of the weight (the layout the reference BLAS multiplies
-fastest), the input rows split over two CPU cores (:mod:`.parallel`); its depthwise
-convolutions run their two channel halves on the two cores. Every output element is
-computed by the same operations on the same inputs (tests compare with ``nn.Conv2d``).
+fastest), the input rows split over two CPU cores (:mod:`.parallel`). Its depthwise
+convolutions on a streamed frame's small float32 windows run as a sum of strided taps (see
+:class:`SplitDepthwiseConv2d`), on larger inputs their two channel halves on the two cores.
+Every output element is computed by the same operations on the same inputs (tests compare
+with ``nn.Conv2d``).
 """
 
 from __future__ import annotations
@@ -44,11 +46,60 @@ class PointwiseConv2d(nn.Conv2d):
         return split_rows(x, product, matrix.size)
 
 
+#: Largest output (elements) computed as a sum of taps; larger ones use the convolution
+#: (the taps' temporaries are output-sized: an offline utterance's would be gigabytes).
+MAX_TAP_OUTPUT = 1 << 20
+
+
+def tap_sum_depthwise(x: mx.array, weight: mx.array, stride: tuple[int, int]) -> mx.array:
+    """``mx.conv2d(x, weight, stride, groups=C)`` (no padding or dilation) as a sum of the
+    kernel's strided taps, bit for bit, for float32 operands.
+
+    MLX's CPU convolution (its reference loop for grouped convolutions) sums each output
+    element's products in float32 in kernel order, row-major over the taps, starting from
+    zero, with one product per tap for a depthwise kernel; so does ``acc = acc + tap * w``
+    tap by tap (each product and sum rounded, no fused multiply-add). About 2-5x less CPU
+    time than the convolution on the subsampling's streamed windows
+    (``docs/performance.md``, "Many sessions on one model").
+
+    Args:
+        x: ``(B, H, W, C)`` float32.
+        weight: ``(C, kh, kw, 1)`` float32.
+        stride: ``(sh, sw)``.
+
+    Returns:
+        ``(B, (H - kh) // sh + 1, (W - kw) // sw + 1, C)`` float32.
+    """
+    _, kernel_h, kernel_w, _ = weight.shape
+    batch, height, width, channels = x.shape
+    out_h, out_w = (height - kernel_h) // stride[0] + 1, (width - kernel_w) // stride[1] + 1
+    total = mx.zeros((batch, out_h, out_w, channels), dtype=mx.float32)
+    for i in range(kernel_h):
+        for j in range(kernel_w):
+            tap = x[:, i : i + stride[0] * (out_h - 1) + 1 : stride[0], j : j + stride[1] * (out_w - 1) + 1 : stride[1]]
+            total = total + tap * weight[:, i, j, 0]
+    return total
+
+
 class SplitDepthwiseConv2d(nn.Conv2d):
-    """Depthwise ``nn.Conv2d`` (``groups == channels``) whose two channel halves run on the
-    two CPU cores; same parameters and bits as the parent class."""
+    """Depthwise ``nn.Conv2d`` (``groups == channels``); same parameters and bits as the
+    parent class. Small float32 inputs without padding or dilation (a streamed frame's
+    window) take :func:`tap_sum_depthwise`; others run their two channel halves on the two
+    CPU cores."""
+
+    def _taps(self, x: mx.array) -> bool:
+        if x.dtype != mx.float32 or self.weight.dtype != mx.float32 or x.ndim != 4:
+            return False
+        if tuple(self.padding) != (0, 0) or self.dilation not in (1, (1, 1)):
+            return False
+        out_h = (x.shape[1] - self.weight.shape[1]) // self.stride[0] + 1
+        out_w = (x.shape[2] - self.weight.shape[2]) // self.stride[1] + 1
+        return out_h > 0 and out_w > 0 and x.shape[0] * out_h * out_w * x.shape[3] <= MAX_TAP_OUTPUT
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self._taps(x):
+            y = tap_sum_depthwise(x, self.weight, self.stride)
+            return y + self.bias if "bias" in self else y
         channels = x.shape[-1]
         positions = x.shape[0] * x.shape[1] * x.shape[2] // (self.stride[0] * self.stride[1])
         other = split_stream(positions * self.weight.size) if channels >= 2 else None
