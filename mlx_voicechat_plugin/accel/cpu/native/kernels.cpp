@@ -36,6 +36,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 
@@ -1115,6 +1119,32 @@ inline void qblock(const float* a, long K, const float* panel, float* out, long 
   }
 }
 
+// The packed words w[(n0 + j) * words + column] of lanes j in [0, live) (0 beyond), one
+// vector: a hardware gather where there is one (a lane-by-lane copy through memory stalls
+// on store forwarding).
+inline vu gather_words(const uint32_t* w, long words, long n0, long column, int live) {
+  if (live <= 0) return vu{};
+#if defined(__AVX512F__)
+  const __m512i index = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(static_cast<int>(words)));
+  const int* base = reinterpret_cast<const int*>(w + n0 * words + column);
+  if (live >= kLanes) return (vu)_mm512_i32gather_epi32(index, base, 4);
+  const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1u);
+  return (vu)_mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, index, base, 4);
+#elif defined(__AVX2__)
+  const __m256i index =
+      _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(words)));
+  const int* base = reinterpret_cast<const int*>(w + n0 * words + column);
+  if (live >= kLanes) return (vu)_mm256_i32gather_epi32(base, index, 4);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(live), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return (vu)_mm256_mask_i32gather_epi32(_mm256_setzero_si256(), base, index, mask, 4);
+#else
+  alignas(64) uint32_t lanes[kLanes];
+  for (int j = 0; j < kLanes; ++j) lanes[j] = j < live ? w[(n0 + j) * words + column] : 0u;
+  return *reinterpret_cast<const vu*>(lanes);
+#endif
+}
+
 // Dequantise outputs [n0, n0 + width) of the packed weight into panel (K x kPanel, float32
 // values of T): T(T(scale * q) + bias), as MLX computes it inside its sum.
 template <typename T, typename S, int bits, int group>
@@ -1125,7 +1155,6 @@ void dequantize_panel(const uint32_t* w, const S* scales, const S* biases, long 
   constexpr int words_per_group = group / per_word;
   const long words = K / per_word;
   const long groups = K / group;
-  alignas(64) uint32_t packed[kPanel];
   alignas(64) float scale_lanes[kPanel];
   alignas(64) float bias_lanes[kPanel];
   for (long gi = 0; gi < groups; ++gi) {
@@ -1138,13 +1167,13 @@ void dequantize_panel(const uint32_t* w, const S* scales, const S* biases, long 
     const vf c0 = load(bias_lanes), c1 = load(bias_lanes + kLanes);
     for (int word = 0; word < words_per_group; ++word) {
       const long column = gi * words_per_group + word;
-      for (int j = 0; j < kPanel; ++j) packed[j] = j < width ? w[(n0 + j) * words + column] : 0u;
-      const vu w0 = *reinterpret_cast<const vu*>(packed);
-      const vu w1 = *reinterpret_cast<const vu*>(packed + kLanes);
+      const vu w0 = gather_words(w, words, n0, column, width);
+      const vu w1 = gather_words(w, words, n0 + kLanes, column, width - kLanes);
       float* row = panel + (column * per_word) * kPanel;
       for (int p = 0; p < per_word; ++p) {
-        const vf q0 = __builtin_convertvector((w0 >> (bits * p)) & mask, vf);
-        const vf q1 = __builtin_convertvector((w1 >> (bits * p)) & mask, vf);
+        // signed conversion (AVX2 has no unsigned one): the values fit in 8 bits
+        const vf q0 = __builtin_convertvector((vi)((w0 >> (bits * p)) & mask), vf);
+        const vf q1 = __builtin_convertvector((vi)((w1 >> (bits * p)) & mask), vf);
         const vf d0 = RoundTo<T>::apply(RoundTo<T>::apply(s0 * q0) + c0);
         const vf d1 = RoundTo<T>::apply(RoundTo<T>::apply(s1 * q1) + c1);
         store(row + p * kPanel, d0);
