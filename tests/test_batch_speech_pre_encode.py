@@ -92,3 +92,29 @@ def test_depthwise_subsampling_conv_equals_conv2d(monkeypatch, taps):
         assert mx.array_equal(fast(x), reference(x)).item(), (trial, shape)
         assert mx.array_equal(fast(x.astype(mx.bfloat16)), reference(x.astype(mx.bfloat16))).item()
     assert bool(called) == taps
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_input_subsampling_conv_equals_conv2d(monkeypatch, native):
+    """The subsampling's one-input-channel convolution as a product of the unfolded taps
+    (native kernel, or MLX's product with ``MLX_VOICECHAT_NATIVE=0``): nn.Conv2d's bits,
+    with and without bias, over random shapes, strides and magnitudes; bfloat16 input and
+    padding fall back to nn.Conv2d."""
+    import mlx.nn as nn
+
+    from mlx_voicechat_plugin.accel.cpu import encoder
+    from mlx_voicechat_plugin.accel.cpu import native as kernels
+
+    monkeypatch.setenv("MLX_VOICECHAT_NATIVE", native)
+    kernels.available()  # load the kernel (built once per machine) unless switched off
+    rng = np.random.default_rng(4)
+    for trial in range(12):
+        stride, padding = (2 if trial % 3 else 1), (1 if trial == 5 else 0)
+        reference = nn.Conv2d(1, 32, 3, stride=stride, padding=padding, bias=bool(trial % 2))
+        fast = nn.Conv2d(1, 32, 3, stride=stride, padding=padding, bias=bool(trial % 2))
+        fast.update(reference.parameters())
+        fast.__class__ = encoder.InputConv2d
+        shape = (int(rng.integers(1, 4)), int(rng.integers(3, 30)), int(rng.integers(3, 131)), 1)
+        x = mx.array((rng.standard_normal(shape) * rng.choice([1e-3, 1.0, 50.0])).astype(np.float32))
+        assert mx.array_equal(fast(x), reference(x)).item(), (trial, shape)
+        assert mx.array_equal(fast(x.astype(mx.bfloat16)), reference(x.astype(mx.bfloat16))).item()

@@ -196,6 +196,7 @@ def test_streaming_parity_with_every_product_split(always_split, models, speech_
 
 def test_subsampling_convs_equal_conv2d(always_split):
     from mlx_voicechat_plugin.accel.cpu.encoder import (
+        InputConv2d,
         PointwiseConv2d,
         SplitDepthwiseConv2d,
         install_subsampling_split,
@@ -212,8 +213,8 @@ def test_subsampling_convs_equal_conv2d(always_split):
 
     reference, fast = Stack(), Stack()
     fast.update(reference.parameters())
-    assert install_subsampling_split(fast) == 2
-    assert type(fast.conv[0]) is nn.Conv2d  # the 1-channel input conv stays as it is
+    assert install_subsampling_split(fast) == 3
+    assert isinstance(fast.conv[0], InputConv2d)  # the 1-channel input conv: unfolded taps
     assert isinstance(fast.conv[1], SplitDepthwiseConv2d) and isinstance(fast.conv[2], PointwiseConv2d)
     x = mx.random.normal((1, 27, 35, 1))
     for ours, theirs in zip(fast.conv, reference.conv):

@@ -2,7 +2,8 @@
 
 The depthwise-striding stack's 1x1 convolutions run as one matrix product against a
 row-contiguous float32 copy of the weight (the layout the reference BLAS multiplies
-fastest), the input rows split over two CPU cores (:mod:`.parallel`). Its depthwise
+fastest), the input rows split over two CPU cores (:mod:`.parallel`); so does its first,
+one-input-channel convolution, over its input's unfolded taps (:class:`InputConv2d`). Its depthwise
 convolutions on a streamed frame's small float32 windows run as a sum of strided taps (see
 :class:`SplitDepthwiseConv2d`), on larger inputs their two channel halves on the two cores.
 Every output element is computed by the same operations on the same inputs (tests compare
@@ -44,6 +45,42 @@ class PointwiseConv2d(nn.Conv2d):
             return y if bias is None else y + bias
 
         return split_rows(x, product, matrix.size)
+
+
+def _unfold(x: mx.array, kernel_h: int, kernel_w: int, stride: tuple[int, int]) -> mx.array:
+    """``(B, H, W, 1)`` -> ``(B, oh, ow, kh * kw)``: each output position's input taps in
+    kernel order (row-major), no padding or dilation."""
+    out_h = (x.shape[1] - kernel_h) // stride[0] + 1
+    out_w = (x.shape[2] - kernel_w) // stride[1] + 1
+    taps = [
+        x[:, i : i + stride[0] * (out_h - 1) + 1 : stride[0], j : j + stride[1] * (out_w - 1) + 1 : stride[1], 0]
+        for i in range(kernel_h)
+        for j in range(kernel_w)
+    ]
+    return mx.stack(taps, axis=-1)
+
+
+class InputConv2d(PointwiseConv2d):
+    """``nn.Conv2d`` with one input channel (the subsampling's first convolution), as one
+    matrix product of the unfolded input taps ``(B, oh, ow, kh * kw)`` against the
+    ``(kh * kw, C_out)`` float32 weight matrix, rows split over two CPU cores; same
+    parameters and bits as ``nn.Conv2d``.
+
+    MLX's CPU convolution sums each output element's ``kh * kw`` products in float32 in
+    kernel order from zero; the product (:func:`.native.matmul`, or the reference BLAS it
+    matches) sums the same products in the same order. 2.5-7x less CPU time than
+    ``mx.conv2d`` on a streamed frame's windows (``docs/performance.md``, "Many sessions on
+    one model"). Other dtypes, padding or dilation run ``nn.Conv2d``.
+    """
+
+    def __call__(self, x: mx.array) -> mx.array:
+        plain = tuple(self.padding) == (0, 0) and self.dilation in (1, (1, 1))
+        if not plain or x.dtype != mx.float32 or self.weight.dtype != mx.float32 or x.ndim != 4 or x.shape[3] != 1:
+            return nn.Conv2d.__call__(self, x)
+        _, kernel_h, kernel_w, _ = self.weight.shape
+        if x.shape[1] < kernel_h or x.shape[2] < kernel_w:
+            return nn.Conv2d.__call__(self, x)
+        return super().__call__(_unfold(x, kernel_h, kernel_w, self.stride))
 
 
 #: Largest output (elements) computed as a sum of taps; larger ones use the convolution
@@ -126,8 +163,8 @@ class SplitDepthwiseConv2d(nn.Conv2d):
 
 
 def install_subsampling_split(subsampling) -> int:
-    """Swap the subsampling stack's 1x1 and depthwise ``Conv2d`` layers (class only, same
-    parameters); returns how many changed."""
+    """Swap the subsampling stack's 1x1, depthwise and one-input-channel ``Conv2d`` layers
+    (class only, same parameters); returns how many changed."""
     changed = 0
     for layer in getattr(subsampling, "conv", []):
         if type(layer) is not nn.Conv2d:
@@ -137,6 +174,9 @@ def install_subsampling_split(subsampling) -> int:
         plain = layer.stride == (1, 1) and layer.padding == (0, 0) and layer.dilation in (1, (1, 1))
         if pointwise and plain:
             layer.__class__ = PointwiseConv2d
+            changed += 1
+        elif in_channels == 1 and layer.groups == 1 and out_channels > 1:
+            layer.__class__ = InputConv2d
             changed += 1
         elif in_channels == 1 and layer.groups == out_channels and out_channels > 1:
             layer.__class__ = SplitDepthwiseConv2d
