@@ -265,3 +265,20 @@ def test_status_command_says_when_the_self_test_switched_it_off(kernels, monkeyp
     monkeypatch.setitem(native._state, "quantized_off", "RuntimeError: mismatch")
     assert main([]) == 0
     assert "quantized product: off (self-test: RuntimeError: mismatch)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("scale_dtype", [mx.bfloat16, mx.float16], ids=str)
+def test_float32_with_16_bit_scales_near_overflow(spy, scale_dtype):
+    """float32 activations with 16-bit scales (the language model's case): scale * q is exact
+    there, except where it overflows, which must stay MLX's infinity."""
+    rng = np.random.default_rng(37)
+    packed, scales, biases = _quantized(rng, 40, 256, scale_dtype, 4, 64)
+    top = 3e38 if scale_dtype == mx.bfloat16 else 6e4
+    scales = mx.where((mx.arange(40)[:, None] % 7 == 2) & (mx.arange(4)[None, :] == 1), top, scales)
+    biases = mx.where((mx.arange(40)[:, None] % 7 == 2) & (mx.arange(4)[None, :] == 1), -top, biases)
+    scales = mx.where((mx.arange(40)[:, None] == 5) & (mx.arange(4)[None, :] == 3), float("nan"), scales)
+    x = _random(rng, (3, 256), mx.float32, 1e-3)
+    got = native.quantized_matmul(x, packed, scales, biases, group_size=64, bits=4)
+    want = _reference(x, packed, scales, biases, 64, 4)
+    assert want.dtype == mx.float32 and _same_up_to_nan_sign(got, want)
+    assert spy.calls == 1

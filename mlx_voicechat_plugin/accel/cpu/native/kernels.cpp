@@ -1044,6 +1044,32 @@ struct RoundTo<mx::bfloat16_t> {
   }
 };
 
+// x in every lane (one broadcast: ``vf{} + x`` is an addition, 0 + x, that the compiler
+// must keep for signed zeros).
+inline vf broadcast(float x) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(x);
+#elif defined(__AVX2__)
+  return (vf)_mm256_set1_ps(x);
+#else
+  return vf{} + x;
+#endif
+}
+
+// scale * q + bias in float32 with one rounding where that is what MLX's two give: a
+// 16-bit scale (at most 11 significant bits) times a q of at most 8 bits is exact in
+// float32 unless it overflows (the caller checks the group's scales), so only the
+// addition rounds, and a fused multiply-add rounds exactly there.
+template <typename S>
+inline vf scale_q_plus_bias(vf scale, vf q, vf bias) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<S, float>) return (vf)_mm512_fmadd_ps((__m512)scale, (__m512)q, (__m512)bias);
+#elif defined(__AVX2__)
+  if constexpr (!std::is_same_v<S, float>) return (vf)_mm256_fmadd_ps((__m256)scale, (__m256)q, (__m256)bias);
+#endif
+  return scale * q + bias;
+}
+
 // The rounding inside qblock's sums (bfloat16: RoundTo::finite, see there).
 template <typename T>
 inline vf round_in_sum(vf x) {
@@ -1104,7 +1130,7 @@ inline void qblock(const float* a, long K, const float* panel, float* out, long 
     const vf b0 = load(panel + k * kPanel);
     const vf b1 = load(panel + k * kPanel + kLanes);
     for (int r = 0; r < R; ++r) {
-      const vf x = vf{} + a[r * K + k];
+      const vf x = broadcast(a[r * K + k]);
       const vf p0 = round_in_sum<T>(x * b0);
       const vf p1 = round_in_sum<T>(x * b1);
       acc0[r] = round_in_sum<T>(acc0[r] + p0);
@@ -1147,9 +1173,10 @@ inline vu gather_words(const uint32_t* w, long words, long n0, long column, int 
 
 // Dequantise outputs [n0, n0 + width) of the packed weight into panel (K x kPanel, float32
 // values of T): T(T(scale * q) + bias), as MLX computes it inside its sum.
-template <typename T, typename S, int bits, int group>
-void dequantize_panel(const uint32_t* w, const S* scales, const S* biases, long n0, int width, long K,
-                      float* panel) {
+// ``sink(k, d0, d1)`` receives the panel's row k (two vectors) in order of k.
+template <typename T, typename S, int bits, int group, typename Sink>
+inline void dequantize(const uint32_t* w, const S* scales, const S* biases, long n0, int width, long K,
+                       Sink& sink) {
   constexpr int per_word = 32 / bits;
   constexpr uint32_t mask = (1u << bits) - 1u;
   constexpr int words_per_group = group / per_word;
@@ -1165,21 +1192,72 @@ void dequantize_panel(const uint32_t* w, const S* scales, const S* biases, long 
     }
     const vf s0 = load(scale_lanes), s1 = load(scale_lanes + kLanes);
     const vf c0 = load(bias_lanes), c1 = load(bias_lanes + kLanes);
+    // fused only where scale * q cannot overflow (also false for NaN / infinite scales)
+    bool fused = !std::is_same_v<S, float>;
+    for (int j = 0; fused && j < kPanel; ++j) fused = std::fabs(scale_lanes[j]) <= 1e36f;
     for (int word = 0; word < words_per_group; ++word) {
       const long column = gi * words_per_group + word;
       const vu w0 = gather_words(w, words, n0, column, width);
       const vu w1 = gather_words(w, words, n0 + kLanes, column, width - kLanes);
-      float* row = panel + (column * per_word) * kPanel;
       for (int p = 0; p < per_word; ++p) {
         // signed conversion (AVX2 has no unsigned one): the values fit in 8 bits
         const vf q0 = __builtin_convertvector((vi)((w0 >> (bits * p)) & mask), vf);
         const vf q1 = __builtin_convertvector((vi)((w1 >> (bits * p)) & mask), vf);
-        const vf d0 = RoundTo<T>::apply(RoundTo<T>::apply(s0 * q0) + c0);
-        const vf d1 = RoundTo<T>::apply(RoundTo<T>::apply(s1 * q1) + c1);
-        store(row + p * kPanel, d0);
-        store(row + p * kPanel + kLanes, d1);
+        vf d0, d1;
+        if (std::is_same_v<T, float> && fused) {
+          d0 = scale_q_plus_bias<S>(s0, q0, c0);
+          d1 = scale_q_plus_bias<S>(s1, q1, c1);
+        } else {
+          d0 = RoundTo<T>::apply(RoundTo<T>::apply(s0 * q0) + c0);
+          d1 = RoundTo<T>::apply(RoundTo<T>::apply(s1 * q1) + c1);
+        }
+        sink(column * per_word + p, d0, d1);
       }
     }
+  }
+}
+
+// Stores the dequantised rows into a K x kPanel panel.
+struct PanelSink {
+  float* panel;
+  inline void operator()(long k, vf d0, vf d1) {
+    store(panel + k * kPanel, d0);
+    store(panel + k * kPanel + kLanes, d1);
+  }
+};
+
+// Few rows: each dequantised row goes straight into R rows' sums (qblock's operations, no
+// panel in memory).
+template <typename T, int R>
+struct RowsSink {
+  const float* a;
+  long K;
+  vf acc0[R], acc1[R];
+  inline void operator()(long k, vf d0, vf d1) {
+    for (int r = 0; r < R; ++r) {
+      const vf x = broadcast(a[r * K + k]);
+      const vf p0 = round_in_sum<T>(x * d0);
+      const vf p1 = round_in_sum<T>(x * d1);
+      acc0[r] = round_in_sum<T>(acc0[r] + p0);
+      acc1[r] = round_in_sum<T>(acc1[r] + p1);
+    }
+  }
+};
+
+template <typename T, typename S, int bits, int group, int R>
+void fused_rows(const float* x, const uint32_t* w, const S* scales, const S* biases, long n0, int width, long K,
+                float* out, long ldo) {
+  RowsSink<T, R> sink{x, K, {}, {}};
+  for (int r = 0; r < R; ++r) {
+    sink.acc0[r] = vf{};
+    sink.acc1[r] = vf{};
+  }
+  dequantize<T, S, bits, group>(w, scales, biases, n0, width, K, sink);
+  for (int r = 0; r < R; ++r) {
+    float row[kPanel];
+    store(row, sink.acc0[r]);
+    store(row + kLanes, sink.acc1[r]);
+    std::memcpy(out + r * ldo, row, sizeof(float) * width);
   }
 }
 
@@ -1187,10 +1265,22 @@ void dequantize_panel(const uint32_t* w, const S* scales, const S* biases, long 
 template <typename T, typename S, int bits, int group>
 void quantized_product(const float* x, const uint32_t* w, const S* scales, const S* biases, long M, long N,
                        long K, float* out) {
+  if (M <= 2) {  // a streamed frame's one or two rows: no panel
+    for (long j = 0; j < N; j += kPanel) {
+      const int width = static_cast<int>(std::min<long>(kPanel, N - j));
+      if (M == 2) {
+        fused_rows<T, S, bits, group, 2>(x, w, scales, biases, j, width, K, out + j, N);
+      } else {
+        fused_rows<T, S, bits, group, 1>(x, w, scales, biases, j, width, K, out + j, N);
+      }
+    }
+    return;
+  }
   float* const panel = scratch(kPanelScratch, static_cast<size_t>(std::max<long>(K, 1)) * kPanel);
   for (long j = 0; j < N; j += kPanel) {
     const int width = static_cast<int>(std::min<long>(kPanel, N - j));
-    dequantize_panel<T, S, bits, group>(w, scales, biases, j, width, K, panel);
+    PanelSink sink{panel};
+    dequantize<T, S, bits, group>(w, scales, biases, j, width, K, sink);
     long i = 0;
     for (; i + kRows <= M; i += kRows) qblock<T, kRows>(x + i * K, K, panel, out + i * N + j, N, width);
     switch (M - i) {
