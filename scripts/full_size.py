@@ -305,23 +305,27 @@ def bytes_per_frame(path: Path) -> dict:
 
 
 def _time_once(function) -> float:
+    """CPU seconds of one evaluation (all threads: MLX's CPU stream runs on its own; CPU
+    time is steadier than wall time on a shared machine)."""
     import mlx.core as mx
 
-    start = time.perf_counter()
+    start = time.process_time()
     mx.eval(function())
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
-def _product_pair(outputs: int, inner: int, rows: int, dtype, bits: int, group: int, repeats: int = 1) -> dict:
+def _product_pair(outputs: int, inner: int, rows: int, dtype, bits: int, group: int, repeats: int = 1,
+                  x_dtype=None) -> dict:
     """The native quantized product against ``mx.quantized_matmul`` on random operands
-    (same bits checked), timed alternately ``repeats`` times; best seconds of each."""
+    (same bits checked), timed alternately ``repeats`` times; best CPU seconds of each
+    (as ``*_ms``), x of ``x_dtype`` (default: the scales' dtype)."""
     import mlx.core as mx
 
     from mlx_voicechat_plugin.accel.cpu import native
 
     packed, scales, biases = mx.quantize(mx.random.normal((outputs, inner), dtype=dtype) * 0.5,
                                          group_size=group, bits=bits)
-    x = mx.random.normal((rows, inner)).astype(dtype)
+    x = mx.random.normal((rows, inner)).astype(x_dtype or dtype)
     mx.eval(packed, scales, biases, x)
     module = native.extension()
 
@@ -338,7 +342,7 @@ def _product_pair(outputs: int, inner: int, rows: int, dtype, bits: int, group: 
         pair = ((ours, native_s), (theirs, mlx_s))
         for function, times in pair if index % 2 == 0 else pair[::-1]:
             times.append(_time_once(function))
-    return {"native_ms": round(min(native_s) * 1e3, 3), "mlx_ms": round(min(mlx_s) * 1e3, 3),
+    return {"native_cpu_ms": round(min(native_s) * 1e3, 3), "mlx_cpu_ms": round(min(mlx_s) * 1e3, 3),
             "ratio": round(min(native_s) / min(mlx_s), 4)}
 
 
@@ -351,9 +355,11 @@ def measure_products(rows: list[int], dtypes: list[str], outputs: int, inner: in
     if not native.available():
         return {"error": f"native kernels {native.status()}"}
     results = []
-    for name in dtypes:
+    for name in dtypes:  # "DTYPE" (x and scales) or "X_DTYPE:SCALES_DTYPE"
+        x_name, _, scale_name = name.partition(":")
         for count in rows:
-            pair = _product_pair(outputs, inner, count, getattr(mx, name), bits, group, repeats=3 if count <= 64 else 1)
+            pair = _product_pair(outputs, inner, count, getattr(mx, scale_name or x_name), bits, group,
+                                 repeats=3 if count <= 64 else 1, x_dtype=getattr(mx, x_name))
             results.append({"dtype": name, "rows": count, "shape": f"{count}x{inner} @ {inner}x{outputs}",
                             "bits": bits, "group_size": group, **pair})
     return {"products": results, "load_average": os.getloadavg()}
@@ -361,8 +367,9 @@ def measure_products(rows: list[int], dtypes: list[str], outputs: int, inner: in
 
 def measure_lm_products(path: Path, rows: int = 1) -> dict:
     """Per streamed frame, the language model's quantized products (every quantized weight
-    in the checkpoint read once, ``rows`` rows, the scales' dtype), native vs MLX: each
-    distinct shape timed once, times multiplied by how often the model has it."""
+    in the checkpoint read once, ``rows`` rows of float32 activations: the language model
+    runs float32 activations against its bfloat16 scales), native vs MLX: each distinct
+    shape timed once (CPU time), times multiplied by how often the model has it."""
     import mlx.core as mx
 
     from mlx_voicechat_plugin.accel.cpu import native
@@ -389,12 +396,12 @@ def measure_lm_products(path: Path, rows: int = 1) -> dict:
     total_native = total_mlx = 0.0
     rows_out = []
     for (outputs, inner, bits, group, dtype), count in sorted(shapes.items(), key=lambda item: -item[0][0] * item[0][1] * item[1]):
-        pair = _product_pair(outputs, inner, rows, getattr(mx, dtype), bits, group)
-        total_native += count * pair["native_ms"]
-        total_mlx += count * pair["mlx_ms"]
+        pair = _product_pair(outputs, inner, rows, getattr(mx, dtype), bits, group, x_dtype=mx.float32)
+        total_native += count * pair["native_cpu_ms"]
+        total_mlx += count * pair["mlx_cpu_ms"]
         rows_out.append({"shape": f"{rows}x{inner} @ {inner}x{outputs}", "bits": bits, "group_size": group,
                          "dtype": dtype, "count": count, **pair})
-    return {"rows": rows, "per_frame_native_ms": round(total_native, 1), "per_frame_mlx_ms": round(total_mlx, 1),
+    return {"rows": rows, "per_frame_native_cpu_ms": round(total_native, 1), "per_frame_mlx_cpu_ms": round(total_mlx, 1),
             "ratio": round(total_native / total_mlx, 4), "shapes": rows_out, "load_average": os.getloadavg()}
 
 
@@ -428,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                             help="ours without the CPU layer (plain MLX products, as upstream)")
     products = commands.add_parser("products", help="the quantized product alone, native vs MLX")
     products.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 750])
-    products.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    products.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float32:bfloat16"],
+                          help="DTYPE, or X_DTYPE:SCALES_DTYPE (float32:bfloat16 is the language model's case)")
     products.add_argument("--shape", type=int, nargs=2, default=[4096, 1024], metavar=("OUTPUTS", "INNER"))
     products.add_argument("--bits", type=int, default=4)
     products.add_argument("--group-size", type=int, default=64)
