@@ -10,8 +10,9 @@ as rows of ``(B, 1, hidden)``:
 * ``M`` blocks (Mamba2) run once over all rows with the sessions' convolution and SSM
   states stacked into one ``ArraysCache`` and split back afterwards;
 * ``*`` blocks (attention): the query/key/value and output projections run once over all
-  rows; each session's own ``KVCache`` takes its row, and one attention call covers all
-  rows, the keys of different lengths padded and masked (:func:`~.rows.padded_keys`).
+  rows; each session's own ``KVCache`` takes its row, and each row attends over its own
+  session's keys (one call per session on the CPU, one padded and masked call over all
+  rows elsewhere: :func:`~.rows.attend_sessions`).
 
 Every session must have used its caches already (a prefilled prompt or one frame): a
 fresh cache (``None`` state) or one whose mask is not ``None`` sends the whole step down the
@@ -21,10 +22,10 @@ per-session path, which is the solo computation.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_vlm.models.base import create_attention_mask, create_ssm_mask, scaled_dot_product_attention
+from mlx_vlm.models.base import create_attention_mask, create_ssm_mask
 from mlx_vlm.models.cache import ArraysCache
 
-from .rows import padded_keys
+from .rows import attend_sessions
 
 
 def _stackable(llm, caches: list[list], rows: list[mx.array]) -> bool:
@@ -63,9 +64,9 @@ def _mamba(mixer, x: mx.array, entries: list) -> mx.array:
 def _attention(attention, x: mx.array, entries: list) -> mx.array:
     """Upstream ``NemotronHAttention.__call__`` for ``B`` one-position rows: projections
     over all rows, each session's cache updated with its row (``entries[i]`` with row
-    ``i``), then one attention call over every row with the sessions' keys and values
-    zero-padded to the longest and masked (:func:`~.rows.padded_keys`; the same bits per
-    row as its own call on MLX's CPU backend, ``tests/test_batch_rows.py``)."""
+    ``i``), then each row attends over its own session's keys on the CPU, or one call
+    covers every row over the keys zero-padded to the longest and masked elsewhere
+    (:func:`~.rows.attend_sessions`; the same bits per row as its own call)."""
     sessions = len(entries)
     queries = attention.q_proj(x).reshape(sessions, 1, attention.num_heads, -1).transpose(0, 2, 1, 3)
     keys = attention.k_proj(x).reshape(sessions, 1, attention.num_key_value_heads, -1).transpose(0, 2, 1, 3)
@@ -73,8 +74,7 @@ def _attention(attention, x: mx.array, entries: list) -> mx.array:
     fetched = [
         cache.update_and_fetch(keys[row : row + 1], values[row : row + 1]) for row, cache in enumerate(entries)
     ]
-    keys, values, mask = padded_keys(fetched)
-    output = scaled_dot_product_attention(queries, keys, values, cache=entries[0], scale=attention.scale, mask=mask)
+    output = attend_sessions(queries, fetched, entries, attention.scale, per_session=mx.default_device() == mx.cpu)
     return attention.o_proj(output.transpose(0, 2, 1, 3).reshape(sessions, 1, -1))
 
 

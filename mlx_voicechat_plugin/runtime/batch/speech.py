@@ -14,7 +14,7 @@ laid out as upstream lays out one session's, generalised to ``B``:
   each session's cache (rotating for sliding layers) is updated with its own two rows, as
   mlx-vlm's Gemma3 ``Attention.__call__`` does, and each session's pair attends over its
   own keys (one call per session on the CPU, one padded call elsewhere:
-  :func:`attend_sessions`);
+  :func:`.rows.attend_sessions`);
 * the text condition is each session's own (memoised, one row pair each), as alone;
 * the sampling noise (``uniform`` for the Gumbel choice, ``normal`` for the residual) is
   drawn per session from its own RNG key, in the order its solo step draws it, and stacked.
@@ -34,7 +34,7 @@ from mlx_vlm.models.base import (
 from mlx_vlm.models.gemma3.language import clip_residual
 from mlx_vlm.models.nemotron_voicechat.tts import _top_p_logits
 
-from .rows import join_guided, padded_keys
+from .rows import attend_sessions, join_guided
 
 
 def mask_counts(config) -> list[int]:
@@ -193,38 +193,6 @@ def _groups(caches: list, layer_index: int, pattern: int) -> list[list[int]]:
     return list(groups.values())
 
 
-def attend_sessions(q: mx.array, fetched: list, caches: list, scale: float, per_session: bool) -> mx.array:
-    """One-query attention of ``B`` sessions' guidance pairs against their own keys.
-
-    Args:
-        q: ``(2B, heads, 1, head_dim)`` queries, session-major (session ``i``: rows
-            ``2i, 2i + 1``), rotary embedding applied.
-        fetched: per session its ``(keys, values)`` ``(2, kv_heads, T_i, head_dim)`` from its
-            cache's ``update_and_fetch``.
-        caches: per session the layer's cache (mlx-vlm's ``scaled_dot_product_attention``
-            reads it to dequantize quantized caches).
-        scale: the attention scale.
-        per_session: True: one call per session over its own keys (each session's solo
-            call; on MLX's CPU backend cheaper than stacking, which copies every session's
-            keys and values on every layer of every tick: 0.40 against 0.94 ms per layer
-            for four sessions of ~50 positions, 1.6 against 4.4 ms at ~300). False: one
-            call over the keys zero-padded to the longest and masked
-            (:func:`.rows.padded_keys`; fewer kernel launches, for GPUs).
-
-    Returns:
-        ``(2B, heads, 1, head_dim)``, each row bit-identical to its session's solo call
-        (``tests/test_batch_rows.py``, ``tests/test_batch_speech.py``).
-    """
-    if not per_session:
-        keys, values, mask = padded_keys(fetched, rows=2)
-        return scaled_dot_product_attention(q, keys, values, caches[0], scale=scale, mask=mask)
-    outputs = [
-        scaled_dot_product_attention(q[2 * i : 2 * i + 2], keys, values, cache, scale=scale, mask=None)
-        for i, ((keys, values), cache) in enumerate(zip(fetched, caches))
-    ]
-    return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
-
-
 def _attention(layer, x, caches: list, layer_index: int, window: int, pattern: int):
     """The block's self-attention (mlx-vlm Gemma3 ``Attention.__call__``) for ``2B`` guided
     rows ``[cond_0 .. cond_{B-1}, uncond_0 .. uncond_{B-1}]`` ``(2B, 1, d)`` -> ``(2B, 1, d)``.
@@ -233,7 +201,7 @@ def _attention(layer, x, caches: list, layer_index: int, window: int, pattern: i
     position) run once over all rows; each session's cache (rotating for sliding layers)
     is updated with its own two rows; then each session's pair attends over its own keys
     on the CPU, or one call covers every row over keys zero-padded to the longest and
-    masked elsewhere (:func:`attend_sessions`; the same bits). When a session's
+    masked elsewhere (:func:`.rows.attend_sessions`; the same bits). When a session's
     own call needs a mask (its sliding window is shorter than its cache), the layer runs
     per group of sessions at the same position (:func:`_attention_grouped`).
     """
@@ -266,7 +234,7 @@ def _attention(layer, x, caches: list, layer_index: int, window: int, pattern: i
     ]
     output = attend_sessions(
         q, fetched, [session_caches[layer_index] for session_caches in caches], attention.scale,
-        per_session=mx.default_device() == mx.cpu,
+        per_session=mx.default_device() == mx.cpu, rows=2,
     )
     output = output.transpose(0, 2, 1, 3).reshape(2 * sessions, 1, -1)
     back = mx.array([2 * index + half for half in range(2) for index in range(sessions)])
