@@ -7,11 +7,11 @@ advances each session that has a frame ready by one 80 ms frame in one batched s
 (:mod:`.codec`) run once over the sessions' stacked rows, with per-session caches (encoder
 attention window, Mamba state, KV caches of different lengths, codec overlap), RNG keys,
 limits and errors. The RNNT decode runs over all rows at once (:mod:`.transcript`, masked
-per row); the language model's attention is one call over every row, the sessions' keys
-of different lengths zero-padded and masked (:func:`.rows.padded_keys`), EAR-TTS's one
-call per session on the CPU (:func:`.speech.attend_sessions`), the encoder's one call per
-group of equal windows; the sampling noise of every session is one batched draw from the
-sessions' own keys (:func:`.speech.draw_noise_rows`). A tick synchronises with the host
+per row); the attention of the language model and EAR-TTS is one call per session on the
+CPU, over every row elsewhere with the sessions' keys of different lengths zero-padded and
+masked (:func:`.rows.attend_sessions`), the encoder's one call per group of equal
+windows; the sampling noise of every session is one batched draw from the sessions' own
+keys (:func:`.speech.draw_noise_rows`). A tick synchronises with the host
 twice, as a solo frame does, whatever the number of sessions. The log-mel front end runs
 per session, the subsampling pre-encoder once for the sessions in step, over the rows they
 keep (:func:`.perception.pre_encode_rows`); a joining session's system prompt runs one
