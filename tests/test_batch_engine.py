@@ -16,6 +16,7 @@ import pytest
 
 from mlx_voicechat_plugin.runtime.batch import BatchedEngine, SessionLimitError, UnknownSessionError
 from mlx_voicechat_plugin.runtime.batch import frame as batch_frame
+from mlx_voicechat_plugin.runtime.batch.lanes import LANES_ENV
 from mlx_voicechat_plugin.runtime.streaming import (
     ContextLimitError,
     SampleRateError,
@@ -84,6 +85,7 @@ def test_batched_sessions_equal_solo_runs(models, inputs, monkeypatch):
         return step(model, states, *args)
 
     monkeypatch.setattr(batch_frame, "speech_step", spy)
+    monkeypatch.setenv(LANES_ENV, "0")  # one lane: tests/test_batch_lanes.py covers two
     batched = run_batched(ours, tokenizer, inputs)
     assert max(widths) == 3  # the three sessions really shared EAR-TTS steps
     for (samples, options, _), events in zip(inputs, batched):

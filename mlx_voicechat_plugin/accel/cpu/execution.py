@@ -5,19 +5,24 @@
   model, EAR-TTS and the codec;
 * an offline worker job (the language model, the RNNT transcript) runs on its thread's side
   stream, from which products are not split: the worker threads and the calling thread
-  already share the two cores.
+  already share the two cores;
+* a batched stage's two row groups ("lanes", :mod:`mlx_voicechat_plugin.runtime.batch.lanes`)
+  are built one on the calling thread's default stream, one on its secondary stream
+  (:func:`.parallel.secondary_stream`), their products left whole (each lane has a core).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 
 from ...model.execution import Execution
-from .parallel import on_side_stream, side_stream
+from .parallel import on_side_stream, secondary_stream, side_stream, split_enabled, unsplit
 
 
 class CpuExecution(Execution):
-    """Side work on a third CPU stream per thread (see the module docstring)."""
+    """Side work on a third CPU stream per thread, lanes on two (see the module docstring)."""
 
     name = "cpu"
 
@@ -26,3 +31,17 @@ class CpuExecution(Execution):
 
     def worker(self):
         return mx.stream(side_stream())
+
+    def lanes(self, rows: int) -> list:
+        """Two lanes (default stream, secondary stream; products unsplit in both) when the
+        default device is the CPU, the machine has two cores, splitting is on
+        (:func:`.parallel.split_enabled`) and ``rows >= 2``; otherwise one lane."""
+        if rows < 2 or mx.default_device() != mx.cpu or not split_enabled():
+            return super().lanes(rows)
+        return [unsplit(), _on_stream_unsplit(secondary_stream())]
+
+
+@contextlib.contextmanager
+def _on_stream_unsplit(stream):
+    with mx.stream(stream), unsplit():
+        yield

@@ -78,12 +78,24 @@ def on_side_stream():
     return mx.stream(side_stream())
 
 
+@contextlib.contextmanager
+def unsplit():
+    """Context manager: products built inside it run whole on the current stream (for work
+    that already has a core of its own, such as one lane of :mod:`mlx_voicechat_plugin.runtime.batch.lanes`)."""
+    previous = getattr(_local, "inside", False)
+    _local.inside = True
+    try:
+        yield
+    finally:
+        _local.inside = previous
+
+
 def split_stream(work: int) -> mx.Stream | None:
     """The stream for the second half of a product of ``work`` multiply-adds, or None when
     the product should not be split (see the module docstring).
 
-    Products issued while the secondary or side stream is current, or inside a half of
-    another split (:func:`split_rows`), are not split.
+    Products issued while the secondary or side stream is current, inside a half of
+    another split (:func:`split_rows`) or inside :func:`unsplit`, are not split.
     """
     if work < MIN_SPLIT_WORK or getattr(_local, "inside", False):
         return None
@@ -148,6 +160,7 @@ def _row_pieces(x: mx.array, product, bounds: list[int], other: mx.Stream | None
     rows = math.prod(leading)
     flat = [array.reshape(rows, array.shape[-1]) for array in (x, *aligned)]
     pieces = []
+    previous = getattr(_local, "inside", False)
     _local.inside = True
     try:
         for index, (start, stop) in enumerate(zip(bounds, bounds[1:])):
@@ -158,7 +171,7 @@ def _row_pieces(x: mx.array, product, bounds: list[int], other: mx.Stream | None
             else:
                 pieces.append(product(*part))
     finally:
-        _local.inside = False
+        _local.inside = previous
     joined = mx.concatenate(pieces, axis=0)
     return joined.reshape(*leading, joined.shape[-1])
 

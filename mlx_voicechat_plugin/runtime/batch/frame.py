@@ -18,6 +18,10 @@ language model, EAR-TTS and the codec run once over the stacked rows:
    then **one** evaluation of every output and cache;
 5. per session: its events (:meth:`StreamingSession._frame_events`).
 
+On a CPU model the codec (and, when ``MLX_VOICECHAT_BATCH_LANES`` names them, the encoder
+layers and EAR-TTS with its noise) runs its rows in two lanes (:mod:`.lanes`: two groups
+of sessions, each built on its own CPU stream, joined by the same final evaluation).
+
 Profiling (``StreamingOptions.profile``) and the diagnostic options
 (``use_language_cache=False`` / ``use_perception_cache=False``) are solo features: such a
 session is stepped on its own (:meth:`StreamingSession.push_audio` with one frame) within
@@ -30,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from .codec import codec_decode
+from .lanes import in_lanes
 from .language import language_step
 from .perception import encode_frames
 from .speech import draw_noise_rows, key_values, speech_step
@@ -101,7 +106,14 @@ def _perceive(sessions: list, mels: list[mx.array]) -> tuple[list[mx.array], mx.
         ``(fused, firsts)``: per session its ``(1, 1, hidden)`` LLM input; the ``(B,)``
         first RNNT symbols (None without an RNNT vocabulary)."""
     perception = sessions[0].model.stt_model.perception
-    chunks = encode_frames(perception.encoder, [session._conformer for session in sessions], mels)
+    chunks = in_lanes(
+        sessions[0].model,
+        len(sessions),
+        lambda part: encode_frames(
+            perception.encoder, [sessions[i]._conformer for i in part], [mels[i] for i in part]
+        ),
+        "encoder",
+    )
     for mel, found in zip(mels, chunks):
         if len(found) != 1 or found[0].shape[1] != 1:
             raise RuntimeError(
@@ -146,26 +158,32 @@ def _batched(sessions: list, perceived: tuple) -> list[list]:
         index = stepping[0]
         with sessions[index]._rng.active():
             codes[index] = sessions[index]._speech.step(values[index][0], first=False)
-    keys = None
+    keyed: list[tuple[list[int], mx.array]] = []  # per lane: its sessions, their keys after the draws
     if len(stepping) > 1:
         tts = model.tts_model.tts_model
-        noise, keys = draw_noise_rows(tts, [sessions[i]._rng._key for i in stepping])
-        stepped = speech_step(
-            model, [sessions[i]._speech for i in stepping], [values[i][0] for i in stepping], noise
-        )
-        for index, code in zip(stepping, stepped):
+
+        def speak(part: range) -> list[mx.array]:
+            members = [stepping[i] for i in part]
+            noise, keys = draw_noise_rows(tts, [sessions[i]._rng._key for i in members])
+            keyed.append((members, keys))
+            return speech_step(
+                model, [sessions[i]._speech for i in members], [values[i][0] for i in members], noise
+            )
+
+        for index, code in zip(stepping, in_lanes(model, len(stepping), speak, "speech")):
             codes[index] = code
 
-    cleans = [session._speech.helper._replace_control_codes(code) for session, code in zip(sessions, codes)]
-    decoded = codec_decode(
-        model.tts_model.audio_codec,
-        [clean.transpose(0, 2, 1) for clean in cleans],
-        [session._speech.codec_cache for session in sessions],
-    )
-    samples = [audio[0, 0] for audio in decoded]
-    arrays = [*samples, *cleans, *(rest for rest in rests if rest is not None)]
-    if keys is not None:
-        arrays.append(keys)
+    def decode(part: range) -> list[tuple[mx.array, mx.array]]:
+        cleans = [sessions[i]._speech.helper._replace_control_codes(codes[i]) for i in part]
+        decoded = codec_decode(
+            model.tts_model.audio_codec,
+            [clean.transpose(0, 2, 1) for clean in cleans],
+            [sessions[i]._speech.codec_cache for i in part],
+        )
+        return [(clean, audio[0, 0]) for clean, audio in zip(cleans, decoded)]
+
+    cleans, samples = (list(column) for column in zip(*in_lanes(model, count, decode, "codec")))
+    arrays = [*samples, *cleans, *(rest for rest in rests if rest is not None), *(keys for _, keys in keyed)]
     for session in sessions:
         arrays += [
             *session._conformer_arrays(),
@@ -175,8 +193,8 @@ def _batched(sessions: list, perceived: tuple) -> list[list]:
         ]
     mx.eval(*arrays)  # the tick's second host round trip
     sessions[0]._speech.evaluated()
-    if keys is not None:  # evaluated: reading them back runs nothing
-        for index, key in zip(stepping, key_values(keys)):
+    for members, keys in keyed:  # evaluated: reading them back runs nothing
+        for index, key in zip(members, key_values(keys)):
             sessions[index]._rng._key = key
 
     results = []

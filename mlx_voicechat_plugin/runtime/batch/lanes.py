@@ -1,0 +1,106 @@
+"""Lanes: a batched stage's rows as two groups, each built on its own CPU stream.
+
+On MLX's CPU backend one operation uses one core, and the CPU layer splits only large
+products over the two cores (:mod:`mlx_voicechat_plugin.accel.cpu.parallel`): the norms,
+elementwise operations, convolutions, the MoG sampling and most of the codec of a batched
+tick run on one. Every row of a batched stage gets its solo bits whatever rows run beside
+it (the engine's exactness tests), so a stage can as well run as two groups of rows, each
+built under its own context from :meth:`~mlx_voicechat_plugin.model.execution.Execution.lanes`:
+on a CPU model the first on the calling thread's default stream, the second on its
+secondary stream, products whole in both; both are joined by the tick's one final
+``mx.eval`` (no extra host round trip). On any other device, without the CPU layer, with
+one core, with ``MLX_VOICECHAT_CPU_SPLIT=0``, with fewer than :data:`MIN_LANE_ROWS` rows,
+or with ``MLX_VOICECHAT_BATCH_LANES=0``, a stage runs as one group as before.
+
+:mod:`.frame` can run the encoder layers (:func:`.perception.encode_frames`), EAR-TTS with
+its noise (:func:`.speech.draw_noise_rows`, :func:`.speech.speech_step`) and the codec
+(:func:`.codec.codec_decode`) in lanes; by default only the codec does
+(:data:`LANE_STAGES`). The language model's step (large products, already split) runs
+whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+
+from ...model.execution import execution_of
+
+#: Environment switch: ``0`` runs every batched stage as one group of rows, ``1`` (the
+#: default) runs :data:`LANE_STAGES` in lanes, a comma-separated list of :data:`STAGES`
+#: names runs those.
+LANES_ENV = "MLX_VOICECHAT_BATCH_LANES"
+#: Fewest rows (sessions) of a stage that run in two lanes.
+MIN_LANE_ROWS = 2
+#: The stages of :mod:`.frame` that can run in lanes (names passed to :func:`in_lanes`).
+STAGES = frozenset({"encoder", "speech", "codec"})
+#: The stages run in lanes by default. Only the codec: its rows are mostly activations
+#: (1,764 samples each), so two lanes cost about the CPU time of one; EAR-TTS's and the
+#: encoder's products are few rows against large weights, which each lane reads again
+#: (measured: about +25% CPU time per 4-session tick with them, docs/performance.md).
+LANE_STAGES = frozenset({"codec"})
+
+
+def lane_stages() -> frozenset:
+    """The stages to run in lanes, from ``MLX_VOICECHAT_BATCH_LANES`` (see :data:`LANES_ENV`).
+
+    Raises:
+        ValueError: the variable names a stage that is not one of :data:`STAGES`.
+    """
+    value = os.environ.get(LANES_ENV, "1").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return frozenset()
+    if value in ("", "1", "true", "yes", "on"):
+        return LANE_STAGES
+    names = frozenset(name.strip() for name in value.split(",") if name.strip())
+    unknown = sorted(names - STAGES)
+    if unknown:
+        raise ValueError(
+            f"{LANES_ENV}: unknown stage(s) {', '.join(unknown)}; use 0, 1 or some of {', '.join(sorted(STAGES))}"
+        )
+    return names
+
+
+def lanes_enabled() -> bool:
+    """False when ``MLX_VOICECHAT_BATCH_LANES`` is ``0`` / ``false`` / ``no`` / ``off``."""
+    return bool(lane_stages())
+
+
+def plan(model, rows: int, stage: str | None = None) -> list[tuple[range, object]]:
+    """How a batched stage of ``rows`` rows of ``model`` runs: per lane, its rows (consecutive,
+    the first lane taking the larger half) and the context to build them under.
+
+    Returns ``[(range(rows), context)]`` (one lane) unless ``rows >= MIN_LANE_ROWS``,
+    ``stage`` is one of :func:`lane_stages` (None: any, when lanes are on) and the
+    model's execution policy gives two lanes for them.
+
+    Raises:
+        ValueError: ``MLX_VOICECHAT_BATCH_LANES`` names an unknown stage.
+    """
+    stages = lane_stages() if rows >= MIN_LANE_ROWS else frozenset()
+    wanted = bool(stages) and (stage is None or stage in stages)
+    contexts = execution_of(model).lanes(rows) if wanted else None
+    if not contexts or len(contexts) == 1 or rows < len(contexts):
+        return [(range(rows), contexts[0] if contexts else contextlib.nullcontext())]
+    count = len(contexts)
+    bounds = [(rows * lane + count - 1) // count for lane in range(count)] + [rows]
+    return [(range(start, stop), context) for start, stop, context in zip(bounds, bounds[1:], contexts)]
+
+
+def in_lanes(model, rows: int, stage: Callable[[range], list], name: str | None = None) -> list:
+    """``stage`` (called ``name``) over the rows ``0..rows-1`` in lanes (:func:`plan`): ``stage(part)`` returns
+    one result per row of ``part`` (a ``range``), built under its lane's context; the
+    results come back in row order, as ``stage(range(rows))`` alone would give them.
+
+    Raises:
+        ValueError: ``stage`` returned a different number of results than rows it was given.
+    """
+    results: list = []
+    for part, context in plan(model, rows, name):
+        with context:
+            found = list(stage(part))
+        if len(found) != len(part):
+            raise ValueError(f"a lane stage returned {len(found)} results for {len(part)} rows")
+        results += found
+    return results
