@@ -247,11 +247,13 @@ def test_calibration_times_the_models_quantized_shapes(kernels):
     model = Tiny()
     model.set_dtype(mx.bfloat16)
     found = [w for w in model_workloads(model, kernels) if w.key.startswith("quantized_matmul/")]
-    assert {w.key for w in found} == {"quantized_matmul/bfloat16/vector", "quantized_matmul/bfloat16/matrix"}
-    assert {w.description for w in found} == {
-        "1x128 @ 128x40 8-bit/32", f"{QUANTIZED_MATRIX_ROWS}x128 @ 128x40 8-bit/32",
-        "1x256 @ 256x96 4-bit/64", f"{QUANTIZED_MATRIX_ROWS}x256 @ 256x96 4-bit/64",
+    assert {w.key for w in found} == {
+        f"quantized_matmul/{dtype}/{regime}" for dtype in ("bfloat16", "float32") for regime in ("vector", "matrix")
     }
+    shapes = {"1x128 @ 128x40 8-bit/32", f"{QUANTIZED_MATRIX_ROWS}x128 @ 128x40 8-bit/32",
+              "1x256 @ 256x96 4-bit/64", f"{QUANTIZED_MATRIX_ROWS}x256 @ 256x96 4-bit/64"}
+    # bfloat16 activations, and float32 ones against the bfloat16 scales (the language model's)
+    assert {w.description for w in found} == shapes | {f"{shape}, float32 x" for shape in shapes}
     for workload in found:
         assert _same(workload.native(), workload.reference()), workload.description
 

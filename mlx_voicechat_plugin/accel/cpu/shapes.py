@@ -117,8 +117,10 @@ def _quantized_products(model: nn.Module) -> Counter:
 
 
 def quantized_workloads(module, products: Counter) -> list[Workload]:
-    """Vector- (1 row) and matrix-regime (:data:`QUANTIZED_MATRIX_ROWS`) quantized products for the
-    heaviest ``(N, K, bits, group_size, dtype)`` entries the kernel covers."""
+    """Vector- (1 row) and matrix-regime (:data:`QUANTIZED_MATRIX_ROWS`) quantized products
+    for the heaviest ``(N, K, bits, group_size, dtype)`` entries the kernel covers, with
+    activations of the scales' dtype and, for 16-bit scales, also float32 activations (the
+    language model's case: MLX then sums in float32, keyed ``quantized_matmul/float32``)."""
     from .native import QUANTIZED_BITS, QUANTIZED_GROUPS
 
     covered = Counter({e: c for e, c in products.items() if e[2] in QUANTIZED_BITS and e[3] in QUANTIZED_GROUPS})
@@ -129,20 +131,24 @@ def quantized_workloads(module, products: Counter) -> list[Workload]:
             for rows, limit in ((1, MAX_QUANTIZED_VECTOR_ELEMENTS), (QUANTIZED_MATRIX_ROWS, MAX_QUANTIZED_MATRIX_ELEMENTS)):
                 width = max(1, min(outputs, limit // max(inner, 1)))
                 packed, scales, biases = mx.quantize(_random((width, inner), dtype), group_size=group, bits=bits)
-                x = _random((rows, inner), dtype)
-                mx.eval(packed, scales, biases, x)
-                workloads.append(
-                    Workload(
-                        key("quantized_matmul", dtype, rows),
-                        f"{rows}x{inner} @ {inner}x{width} {bits}-bit/{group}",
-                        lambda x=x, w=packed, s=scales, b=biases, g=group, n=bits: module.quantized_matmul(x, w, s, b, g, n),
-                        lambda x=x, w=packed, s=scales, b=biases, g=group, n=bits: mx.quantized_matmul(
-                            x, w, s, b, transpose=True, group_size=g, bits=n
-                        ),
-                        weight=covered[(outputs, inner, bits, group, dtype)] * width * inner,
-                        repeats=QUANTIZED_REPEATS,
+                for x_dtype in (dtype,) if dtype == mx.float32 else (dtype, mx.float32):
+                    x = _random((rows, inner), x_dtype)
+                    mx.eval(packed, scales, biases, x)
+                    label = "" if x_dtype == dtype else f", {str(x_dtype).rsplit('.', 1)[-1]} x"
+                    workloads.append(
+                        Workload(
+                            key("quantized_matmul", x_dtype, rows),
+                            f"{rows}x{inner} @ {inner}x{width} {bits}-bit/{group}{label}",
+                            lambda x=x, w=packed, s=scales, b=biases, g=group, n=bits: module.quantized_matmul(
+                                x, w, s, b, g, n
+                            ),
+                            lambda x=x, w=packed, s=scales, b=biases, g=group, n=bits: mx.quantized_matmul(
+                                x, w, s, b, transpose=True, group_size=g, bits=n
+                            ),
+                            weight=covered[(outputs, inner, bits, group, dtype)] * width * inner,
+                            repeats=QUANTIZED_REPEATS,
+                        )
                     )
-                )
     return workloads
 
 
