@@ -24,7 +24,8 @@ checkpoints): MLX's CPU backend runs a scalar loop off Apple silicon, each outpu
 in-order sum of ``x * (scale * q + bias)`` with every operation rounded to the
 computation dtype (bfloat16 too); the kernel dequantises a panel of outputs with the same
 roundings and sums in the same order, vectorised across outputs (bits 2/4/8, group sizes
-32/64/128; about 5x faster for one row and 20-40x for several, ``docs/performance.md``).
+32/64/128; about 4-5x faster for one float32 row, 13x for a bfloat16 one, 12-55x for 8 to
+750 rows, ``docs/performance.md``).
 It has its own load-time self-test: a mismatch switches off only this family.
 
 **Table lookups** (the codec's bfloat16 GELU, :mod:`~mlx_voicechat_plugin.accel.cpu.activations`):

@@ -22,6 +22,9 @@
 //
 // rms_norm: mx.fast.rms_norm on the CPU (MLX runs its fallback graph there).
 //
+// quantized_matmul: mx.quantized_matmul (affine, transposed weight, bits 2/4/8, group sizes
+// 32/64/128) with MLX's scalar loop's order and roundings (see the section below).
+//
 // Build with -ffp-contract=off: a contracted multiply-add would round differently.
 
 #include <algorithm>
