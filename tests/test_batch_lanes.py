@@ -206,3 +206,12 @@ def test_a_stage_returning_the_wrong_row_count_is_an_error(models, monkeypatch):
     monkeypatch.setenv(lanes.LANES_ENV, "1")
     with pytest.raises(ValueError, match="returned 1 results for 2 rows"):
         lanes.in_lanes(ours, 4, lambda part: [0])
+
+
+def test_the_final_evaluation_takes_the_lanes_arrays_in_turn(models, monkeypatch):
+    ours, *_ = models("tiny")
+    per_row = [["a0", "a1"], ["b0"], ["c0", "c1", "c2"], ["d0"], ["e0"]]
+    monkeypatch.setenv(lanes.LANES_ENV, "1")  # lanes: rows 0-2 and 3-4
+    assert lanes.evaluation_order(ours, per_row) == ["a0", "d0", "a1", "e0", "b0", "c0", "c1", "c2"]
+    monkeypatch.setenv(lanes.LANES_ENV, "0")  # one lane: row order
+    assert lanes.evaluation_order(ours, per_row) == ["a0", "a1", "b0", "c0", "c1", "c2", "d0", "e0"]

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from .codec import codec_decode
-from .lanes import in_lanes
+from .lanes import evaluation_order, in_lanes, plan
 from .language import language_step
 from .perception import encode_frames
 from .speech import draw_noise_rows, key_values, speech_step
@@ -183,14 +183,24 @@ def _batched(sessions: list, perceived: tuple) -> list[list]:
         return [(clean, audio[0, 0]) for clean, audio in zip(cleans, decoded)]
 
     cleans, samples = (list(column) for column in zip(*in_lanes(model, count, decode, "codec")))
-    arrays = [*samples, *cleans, *(rest for rest in rests if rest is not None), *(keys for _, keys in keyed)]
-    for session in sessions:
-        arrays += [
+    states = [
+        [
             *session._conformer_arrays(),
             *session._language.state_arrays(),
             *session._speech.state_arrays(),
             *session._transcript.state_arrays(),
         ]
+        for session in sessions
+    ]
+    keys_arrays = [keys for _, keys in keyed]
+    if len(plan(model, count)) == 1:
+        arrays = [*samples, *cleans, *(rest for rest in rests if rest is not None), *keys_arrays]
+        arrays += [array for state in states for array in state]
+    else:  # the lanes' arrays in turn, so that both lanes' streams run at once
+        per_row = [
+            [samples[i], cleans[i], *([rests[i]] if rests[i] is not None else []), *states[i]] for i in range(count)
+        ]
+        arrays = [*evaluation_order(model, per_row), *keys_arrays]
     mx.eval(*arrays)  # the tick's second host round trip
     sessions[0]._speech.evaluated()
     for members, keys in keyed:  # evaluated: reading them back runs nothing
