@@ -215,3 +215,27 @@ def test_the_final_evaluation_takes_the_lanes_arrays_in_turn(models, monkeypatch
     assert lanes.evaluation_order(ours, per_row) == ["a0", "d0", "a1", "e0", "b0", "c0", "c1", "c2"]
     monkeypatch.setenv(lanes.LANES_ENV, "0")  # one lane: row order
     assert lanes.evaluation_order(ours, per_row) == ["a0", "a1", "b0", "c0", "c1", "c2", "d0", "e0"]
+
+
+def test_a_bad_lanes_switch_fails_at_construction_not_in_a_tick(models, monkeypatch):
+    """A typo in ``MLX_VOICECHAT_BATCH_LANES`` is reported when the engine is made (the
+    server's start), not by every later batched tick failing its sessions."""
+    model, tokenizer, *_ = models("tiny")
+    monkeypatch.setenv(lanes.LANES_ENV, "codec,vocoder")
+    with pytest.raises(ValueError, match="unknown stage.*vocoder"):
+        BatchedEngine(model, tokenizer)
+    monkeypatch.setenv(lanes.LANES_ENV, "codec")
+    assert len(BatchedEngine(model, tokenizer)) == 0
+
+
+def test_serve_refuses_a_bad_lanes_switch_before_loading(tiny, monkeypatch, capsys):
+    from mlx_voicechat_plugin.server import cli as server_cli
+
+    loads = []
+    monkeypatch.setattr("mlx_voicechat_plugin.loading.load", lambda *a, **k: loads.append(a))
+    monkeypatch.setenv(lanes.LANES_ENV, "vocoder")
+    code = server_cli.main(["--model", str(tiny), "--port", "8765"], hard_exit=False)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "error: MLX_VOICECHAT_BATCH_LANES: unknown stage(s) vocoder" in err
+    assert err.count("\n") <= 2 and not loads

@@ -32,6 +32,7 @@ from ..streaming.errors import (
 from ..streaming.events import Done
 from ..streaming.options import StreamingOptions
 from .frame import batchable, step_frames
+from .lanes import lane_stages
 
 
 class SessionLimitError(StreamingError, RuntimeError):
@@ -81,7 +82,8 @@ class BatchedEngine:
         max_sessions: most sessions open at once (``None``: unbounded).
 
     Raises:
-        ValueError: ``max_sessions`` is not a positive integer.
+        ValueError: ``max_sessions`` is not a positive integer, or
+            ``MLX_VOICECHAT_BATCH_LANES`` names an unknown stage (:func:`.lanes.lane_stages`).
     """
 
     def __init__(self, model, tokenizer, max_sessions: int | None = None):
@@ -89,6 +91,7 @@ class BatchedEngine:
             isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1
         ):
             raise ValueError(f"max_sessions must be a positive integer or None, got {max_sessions!r}")
+        lane_stages()  # a bad MLX_VOICECHAT_BATCH_LANES fails here, not in every later tick
         self.model = model
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         self.max_sessions = max_sessions
