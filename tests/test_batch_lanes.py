@@ -239,3 +239,41 @@ def test_serve_refuses_a_bad_lanes_switch_before_loading(tiny, monkeypatch, caps
     assert code == 2, err
     assert "error: MLX_VOICECHAT_BATCH_LANES: unknown stage(s) vocoder" in err
     assert err.count("\n") <= 2 and not loads
+
+
+def test_a_switch_naming_no_stage_is_refused(monkeypatch):
+    for value in (" , ", ",,"):
+        monkeypatch.setenv(lanes.LANES_ENV, value)
+        with pytest.raises(ValueError, match="names no stage"):
+            lanes.lane_stages()
+
+
+def test_a_switch_broken_after_start_does_not_fail_ticks(models, speech_16k, monkeypatch, caplog):
+    """The engine checks the switch when made; if the program changes it to a bad value
+    later, ticks log it once and run the default lanes, every session still equal to solo."""
+    ours, tokenizer, *_ = models("tiny")
+    monkeypatch.delenv(lanes.LANES_ENV, raising=False)
+    engine = BatchedEngine(ours, tokenizer)
+    options = [StreamingOptions(system_prompt=None, seed=seed) for seed in (1, 2, 3)]
+    ids = [engine.open(option) for option in options]
+    monkeypatch.setenv(lanes.LANES_ENV, "bogus")
+    samples = speech_16k[: 4 * FRAME]
+    events = {session_id: [] for session_id in ids}
+    with caplog.at_level("WARNING", logger=lanes.__name__):
+        for start in range(0, len(samples), FRAME):
+            for session_id in ids:
+                engine.push_audio(session_id, samples[start : start + FRAME])
+            while engine.has_work:
+                for session_id, result in engine.tick().items():
+                    assert result.error is None, result.error
+                    events[session_id] += result.events
+        assert len(engine) == 3
+        for session_id in ids:
+            engine.flush(session_id)
+        while len(engine):
+            for session_id, result in engine.tick().items():
+                assert result.error is None, result.error
+                events[session_id] += result.events
+    assert sum("bogus" in record.getMessage() for record in caplog.records) == 1
+    for session_id, option in zip(ids, options):
+        assert comparable(events[session_id]) == comparable(solo(ours, tokenizer, samples, option))

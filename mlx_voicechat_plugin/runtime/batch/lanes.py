@@ -22,6 +22,7 @@ whole.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable
 
@@ -54,6 +55,8 @@ def lane_stages() -> frozenset:
     if value in ("", "1", "true", "yes", "on"):
         return LANE_STAGES
     names = frozenset(name.strip() for name in value.split(",") if name.strip())
+    if not names:
+        raise ValueError(f"{LANES_ENV}: {value!r} names no stage; use 0, 1 or some of {', '.join(sorted(STAGES))}")
     unknown = sorted(names - STAGES)
     if unknown:
         raise ValueError(
@@ -67,6 +70,23 @@ def lanes_enabled() -> bool:
     return bool(lane_stages())
 
 
+def _running_stages() -> frozenset:
+    """:func:`lane_stages` for a running tick: the engine checked the switch when it was made
+    (:class:`~.engine.BatchedEngine`); a value made invalid since (by the embedding program)
+    is logged once and the default stages run, so no tick fails its sessions for it."""
+    try:
+        return lane_stages()
+    except ValueError as error:
+        if str(error) not in _warned:
+            _warned.add(str(error))
+            _log.warning("%s (running with the default lanes: %s)", error, ", ".join(sorted(LANE_STAGES)) or "none")
+        return LANE_STAGES
+
+
+_log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
 def plan(model, rows: int, stage: str | None = None) -> list[tuple[range, object]]:
     """How a batched stage of ``rows`` rows of ``model`` runs: per lane, its rows (consecutive,
     the first lane taking the larger half) and the context to build them under.
@@ -78,7 +98,7 @@ def plan(model, rows: int, stage: str | None = None) -> list[tuple[range, object
     Raises:
         ValueError: ``MLX_VOICECHAT_BATCH_LANES`` names an unknown stage.
     """
-    stages = lane_stages() if rows >= MIN_LANE_ROWS else frozenset()
+    stages = _running_stages() if rows >= MIN_LANE_ROWS else frozenset()
     wanted = bool(stages) and (stage is None or stage in stages)
     contexts = execution_of(model).lanes(rows) if wanted else None
     if not contexts or len(contexts) == 1 or rows < len(contexts):
