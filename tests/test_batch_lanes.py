@@ -8,7 +8,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_voicechat_plugin.bench.graph import GraphCounter
 from mlx_voicechat_plugin.model.execution import DEFAULT, Execution
 from mlx_voicechat_plugin.runtime.batch import BatchedEngine, lanes
 from mlx_voicechat_plugin.runtime.batch import frame as batch_frame
@@ -16,6 +15,7 @@ from mlx_voicechat_plugin.runtime.streaming import StreamingOptions
 
 from .conftest import SYSTEM_PROMPT
 from .test_batch_engine import solo
+from .test_batch_rows import _tick_counts
 from .test_streaming import _audio as audio_of
 from .test_streaming import _comparable as comparable
 
@@ -106,17 +106,7 @@ def test_a_tick_in_lanes_synchronises_twice(models, speech_16k, monkeypatch):
     counts = []
     for switch in ("encoder, speech, codec", "0"):
         monkeypatch.setenv(lanes.LANES_ENV, switch)
-        engine = BatchedEngine(ours, tokenizer)
-        ids = [engine.open(StreamingOptions(seed=i), incremental_prefill=False) for i in range(4)]
-        for frame in range(3):
-            for session_id in ids:
-                engine.push_audio(session_id, speech_16k[frame * FRAME : (frame + 1) * FRAME])
-            if frame < 2:
-                engine.tick()
-                continue
-            with GraphCounter() as counter:
-                engine.tick()
-            counts.append(counter.frame().evaluations)
+        counts.append(_tick_counts(ours, tokenizer, 4, speech_16k).evaluations)
     assert counts == [2, 2]
 
 
