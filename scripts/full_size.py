@@ -11,13 +11,16 @@ from ``resource.getrusage``; keep them under the machine's free memory):
     python scripts/full_size.py stream CKPT --frames 8 [--offline-seconds 1 5]
     python scripts/full_size.py offline CKPT --seconds 1 5   # offline turns: stage times, peaks
     python scripts/full_size.py perception CKPT --minutes 1 2 [--upstream | --no-cpu-layer]
+    python scripts/full_size.py perception CKPT --minutes 10 --upstream --layers 3  # by part, projected
     python scripts/full_size.py project CKPT                 # bytes per frame, Apple table
     python scripts/full_size.py products --rows 1 8 64 750   # quantized product, native vs MLX
     python scripts/full_size.py lm-products CKPT             # a frame's quantized products
 
 ``perception`` loads only the encoder and its projection (about 2.4 GB pinned at full
-width), so long inputs fit beside the rest of the machine's work. Each command prints one
-JSON object.
+width), so long inputs fit beside the rest of the machine's work. With ``--layers K`` it runs
+the same stack part by part (:class:`PerceptionParts`), evaluating after each part and only the
+first K conformer layers, and projects the whole from them (the layers have identical shapes).
+Each command prints one JSON object.
 """
 
 from __future__ import annotations
@@ -244,18 +247,146 @@ def _perception_only(path: Path, upstream: bool, cpu_layer: bool = True):
     return model, sum(v.nbytes for _, v in tree_flatten(perception.parameters()))
 
 
-def measure_perception(path: Path, minutes: float, upstream: bool, cpu_layer: bool = True) -> dict:
+class _TimedPart:
+    """Stands in for one part of the perception stack: calls it, evaluates what it returns
+    (``mx.eval``), records wall (``perf_counter``) and CPU (``process_time``: every thread of
+    the process) seconds in ``clock``; other attributes are the part's own."""
+
+    def __init__(self, clock: PerceptionParts, name: str, function):
+        object.__setattr__(self, "_clock", clock)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_function", function)
+
+    def __call__(self, *args, **kwargs):
+        import mlx.core as mx
+
+        wall, cpu = time.perf_counter(), time.process_time()
+        outputs = self._function(*args, **kwargs)
+        mx.eval(outputs)
+        self._clock.parts.append({"part": self._name, "wall_s": time.perf_counter() - wall,
+                                  "cpu_s": time.process_time() - cpu})
+        return outputs
+
+    def __getattr__(self, name):
+        return getattr(self._function, name)
+
+
+class PerceptionParts:
+    """Times the perception stack part by part while the model's own ``__call__`` runs.
+
+    Inside the ``with`` block, ``perception(mel, lengths)`` (upstream ``Perception.__call__``,
+    mlx-vlm ``nemotron_voicechat/model.py``, and its encoder's ``Conformer.__call__``, mlx-audio
+    ``nemotron_asr/conformer.py``, or ours, ``BandedConformer``) runs unchanged except that its
+    parts are wrapped by :class:`_TimedPart` and only the first ``layers`` conformer layers
+    run. Parts, in order: ``pre_encode`` (subsampling), ``pos_enc`` (scaling and positional
+    embedding), ``mask`` (upstream's dense ``create_chunked_limited_mask``; absent on ours'
+    banded path, which builds each block's mask inside the layer), ``layer.0`` ...
+    ``layer.{layers-1}``, ``proj``. Each part is evaluated before the next starts, so a part's
+    time is its own; the projection's input is the last run layer's output (same shape as
+    the whole encoder's). Everything is restored on exit.
+
+    Args:
+        perception: the ``Perception`` module (``model.stt_model.perception``).
+        layers: conformer layers to run, ``1 <= layers <= n_layers``; None runs them all.
+
+    Raises:
+        ValueError: ``layers`` outside that range.
+    """
+
+    def __init__(self, perception, layers: int | None = None):
+        self.perception = perception
+        self.total_layers = len(perception.encoder.layers)
+        self.layers = self.total_layers if layers is None else layers
+        if not 1 <= self.layers <= self.total_layers:
+            raise ValueError(f"--layers must be 1..{self.total_layers} (the encoder's layers), got {layers}")
+        self.parts: list[dict] = []
+
+    def __enter__(self):
+        from mlx_audio.stt.models.nemotron_asr import conformer
+
+        encoder = self.perception.encoder
+        self._saved = (encoder.pre_encode, encoder.pos_enc, encoder.layers, self.perception.proj,
+                       conformer.create_chunked_limited_mask)
+        encoder.pre_encode = _TimedPart(self, "pre_encode", encoder.pre_encode)
+        encoder.pos_enc = _TimedPart(self, "pos_enc", encoder.pos_enc)
+        encoder.layers = [_TimedPart(self, f"layer.{index}", layer)
+                          for index, layer in enumerate(encoder.layers[: self.layers])]
+        self.perception.proj = _TimedPart(self, "proj", self.perception.proj)
+        conformer.create_chunked_limited_mask = _TimedPart(self, "mask", conformer.create_chunked_limited_mask)
+        return self
+
+    def __exit__(self, *exc):
+        from mlx_audio.stt.models.nemotron_asr import conformer
+
+        encoder = self.perception.encoder
+        (encoder.pre_encode, encoder.pos_enc, encoder.layers, self.perception.proj,
+         conformer.create_chunked_limited_mask) = self._saved
+
+    def projection(self, front_end: dict | None = None) -> dict:
+        """The whole perception projected from the measured parts: every non-layer part once
+        (plus ``front_end``, a part dict such as the log-mel's) and ``n_layers`` x the median
+        measured layer, for ``wall_s`` and ``cpu_s``."""
+        import statistics
+
+        layers = [part for part in self.parts if part["part"].startswith("layer.")]
+        others = [part for part in self.parts if not part["part"].startswith("layer.")]
+        others += [front_end] if front_end else []
+        return {
+            key: sum(part[key] for part in others)
+            + self.total_layers * statistics.median(part[key] for part in layers)
+            for key in ("wall_s", "cpu_s")
+        }
+
+
+def _log_mel(model, minutes: float):
+    """Log-mel of ``minutes`` of seeded noise (16 kHz), evaluated; with its wall / CPU seconds."""
     import mlx.core as mx
     import numpy as np
     from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram
 
-    model, weight_bytes = _perception_only(path, upstream, cpu_layer)
-    rss_loaded = _rss()
-    rng = np.random.default_rng(0)
-    samples = (0.05 * rng.standard_normal(round(minutes * 60 * 16000))).astype(np.float32)
+    samples = (0.05 * np.random.default_rng(0).standard_normal(round(minutes * 60 * 16000))).astype(np.float32)
+    wall, cpu = time.perf_counter(), time.process_time()
     mel = log_mel_spectrogram(mx.array(samples), model.config.audio_config.preprocessor)
     mx.eval(mel)
-    start = time.perf_counter()
+    return mel, {"part": "log_mel", "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
+
+
+def measure_perception_parts(path: Path, minutes: float, upstream: bool, layers: int, cpu_layer: bool = True) -> dict:
+    """:class:`PerceptionParts` over ``minutes`` of input with the first ``layers`` layers:
+    per-part wall / CPU seconds and the projected whole (log-mel + parts + n_layers x median
+    layer); peak RSS of the process (a layer's transient is the same in every layer)."""
+    import mlx.core as mx
+
+    model, weight_bytes = _perception_only(path, upstream, cpu_layer)
+    rss_loaded = _rss()
+    mel, front_end = _log_mel(model, minutes)
+    perception = model.stt_model.perception
+    with PerceptionParts(perception, layers) as clock:
+        outputs = perception(mel, mx.array([mel.shape[1]]))
+    projected = clock.projection(front_end)
+    return {
+        "model": "upstream" if upstream else "ours" if cpu_layer else "ours, no CPU layer",
+        "minutes": minutes,
+        "encoder_frames": int(outputs[0].shape[1]),
+        "layers_measured": clock.layers,
+        "layers_total": clock.total_layers,
+        "parts": [{**part, "wall_s": round(part["wall_s"], 2), "cpu_s": round(part["cpu_s"], 2)}
+                  for part in [front_end, *clock.parts]],
+        f"projected_from_{clock.layers}_layers": {key: round(value, 1) for key, value in projected.items()},
+        "weights_gb": weight_bytes / 1e9,
+        "rss_loaded_gb": rss_loaded / 1e9,
+        "peak_rss_gb": _peak_rss() / 1e9,
+        "load_average": os.getloadavg(),
+    }
+
+
+def measure_perception(path: Path, minutes: float, upstream: bool, cpu_layer: bool = True) -> dict:
+    import mlx.core as mx
+
+    model, weight_bytes = _perception_only(path, upstream, cpu_layer)
+    rss_loaded = _rss()
+    mel, front_end = _log_mel(model, minutes)
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = model.stt_model.perception(mel, mx.array([mel.shape[1]]))
     mx.eval(outputs)
     return {
@@ -264,8 +395,12 @@ def measure_perception(path: Path, minutes: float, upstream: bool, cpu_layer: bo
         "encoder_frames": int(outputs[0].shape[1]),
         "weights_gb": weight_bytes / 1e9,
         "rss_loaded_gb": rss_loaded / 1e9,
+        "log_mel_s": round(front_end["wall_s"], 1),
+        "log_mel_cpu_s": round(front_end["cpu_s"], 1),
         "perception_s": round(time.perf_counter() - start, 1),
+        "perception_cpu_s": round(time.process_time() - cpu, 1),
         "peak_rss_gb": _peak_rss() / 1e9,
+        "load_average": os.getloadavg(),
     }
 
 
@@ -433,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     perception.add_argument("--upstream", action="store_true")
     perception.add_argument("--no-cpu-layer", action="store_true",
                             help="ours without the CPU layer (plain MLX products, as upstream)")
+    perception.add_argument("--layers", type=int, default=None, metavar="K",
+                            help="run part by part (an evaluation after each), only the first K conformer layers, "
+                                 "and project the whole from them")
     products = commands.add_parser("products", help="the quantized product alone, native vs MLX")
     products.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 750])
     products.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float32:bfloat16"],
@@ -446,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     project = commands.add_parser("project")
     project.add_argument("checkpoint", type=Path)
     args = parser.parse_args(argv)
+    if args.command == "perception" and args.layers is not None and args.layers < 1:
+        parser.error(f"--layers must be at least 1, got {args.layers}")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
     if args.command == "project":
@@ -458,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
         rest = [arg for arg in (argv if argv is not None else sys.argv[1:])]
         if args.command == "perception":  # one subprocess per length: peak RSS per input
             base = ["perception", str(args.checkpoint), *(["--upstream"] if args.upstream else []),
-                    *(["--no-cpu-layer"] if args.no_cpu_layer else [])]
+                    *(["--no-cpu-layer"] if args.no_cpu_layer else []),
+                    *(["--layers", str(args.layers)] if args.layers is not None else [])]
             result = {"runs": [_in_subprocess([*base, "--minutes", str(m)]) for m in args.minutes]}
         else:
             result = _in_subprocess(rest)
@@ -468,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
         result = measure_stream(args.checkpoint, args.frames, args.offline_seconds)
     elif args.command == "offline":
         result = measure_offline(args.checkpoint, args.seconds)
+    elif args.layers is not None:
+        result = measure_perception_parts(args.checkpoint, args.minutes[0], args.upstream, args.layers,
+                                          not args.no_cpu_layer)
     else:
         result = measure_perception(args.checkpoint, args.minutes[0], args.upstream, not args.no_cpu_layer)
     print(json.dumps(result))
