@@ -250,7 +250,8 @@ def _perception_only(path: Path, upstream: bool, cpu_layer: bool = True):
 class _TimedPart:
     """Stands in for one part of the perception stack: calls it, evaluates what it returns
     (``mx.eval``), records wall (``perf_counter``) and CPU (``process_time``: every thread of
-    the process) seconds in ``clock``; other attributes are the part's own."""
+    the process) seconds and the process's peak RSS so far (GB) in ``clock``; other
+    attributes are the part's own."""
 
     def __init__(self, clock: PerceptionParts, name: str, function):
         object.__setattr__(self, "_clock", clock)
@@ -264,7 +265,7 @@ class _TimedPart:
         outputs = self._function(*args, **kwargs)
         mx.eval(outputs)
         self._clock.parts.append({"part": self._name, "wall_s": time.perf_counter() - wall,
-                                  "cpu_s": time.process_time() - cpu})
+                                  "cpu_s": time.process_time() - cpu, "peak_rss_gb": _peak_rss() / 1e9})
         return outputs
 
     def __getattr__(self, name):
@@ -348,7 +349,8 @@ def _log_mel(model, minutes: float):
     wall, cpu = time.perf_counter(), time.process_time()
     mel = log_mel_spectrogram(mx.array(samples), model.config.audio_config.preprocessor)
     mx.eval(mel)
-    return mel, {"part": "log_mel", "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
+    return mel, {"part": "log_mel", "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
+                 "peak_rss_gb": _peak_rss() / 1e9}
 
 
 def measure_perception_parts(path: Path, minutes: float, upstream: bool, layers: int, cpu_layer: bool = True) -> dict:
@@ -370,7 +372,8 @@ def measure_perception_parts(path: Path, minutes: float, upstream: bool, layers:
         "encoder_frames": int(outputs[0].shape[1]),
         "layers_measured": clock.layers,
         "layers_total": clock.total_layers,
-        "parts": [{**part, "wall_s": round(part["wall_s"], 2), "cpu_s": round(part["cpu_s"], 2)}
+        "parts": [{**part, "wall_s": round(part["wall_s"], 2), "cpu_s": round(part["cpu_s"], 2),
+                   "peak_rss_gb": round(part["peak_rss_gb"], 3)}
                   for part in [front_end, *clock.parts]],
         f"projected_from_{clock.layers}_layers": {key: round(value, 1) for key, value in projected.items()},
         "weights_gb": weight_bytes / 1e9,

@@ -49,7 +49,7 @@ def test_all_layers_compute_the_whole_call(full_size, stacks, name, mel_frames, 
     names = [part["part"] for part in clock.parts]
     assert names == ["pre_encode", "pos_enc", *(["mask"] if mask else []),
                      *(f"layer.{index}" for index in range(len(layers))), "proj"]
-    assert all(part["wall_s"] >= 0 and part["cpu_s"] >= 0 for part in clock.parts)
+    assert all(part["wall_s"] >= 0 and part["cpu_s"] >= 0 and part["peak_rss_gb"] > 0 for part in clock.parts)
     # restored: the same modules, and the whole call again
     assert list(perception.encoder.layers) == layers
     assert all(type(layer).__name__ != "_TimedPart" for layer in perception.encoder.layers)
