@@ -28,6 +28,8 @@ from mlx_voicechat_plugin.model.codec import PointwiseConv1d, pointwise_from
 def always_split(monkeypatch):
     """Split every product, however small, on both streams."""
     monkeypatch.setattr(parallel, "MIN_SPLIT_WORK", 0)
+    monkeypatch.setattr(parallel, "MIN_ROW_SPLIT_ROWS", 0)
+    monkeypatch.setattr(parallel, "MIN_ROW_SPLIT_WEIGHT", 0)
     monkeypatch.setenv(parallel.SPLIT_ENV, "1")
 
 
@@ -99,6 +101,50 @@ def test_split_follows_the_switch_size_and_streams(monkeypatch):
     assert split_stream(1000) is None
     with parallel.on_side_stream():
         assert mx.default_stream(mx.cpu) != parallel.side_stream()
+
+
+@pytest.mark.parametrize(
+    ("rows", "weight", "by_rows", "splits"),
+    [
+        # a solo medium frame's splits (docs/performance.md, "Many sessions on one model")
+        (1, 2048 * 512, False, True),  # the language model's MLP: one row, memory-bound
+        (4, 256 * 2176, True, True),  # the subsampling's output projection: a large weight
+        (63, 131072, True, True),  # the codec's pointwise chain at 63 steps
+        (68, 128 * 128, True, True),  # a subsampling 1x1 convolution
+        (9, 256 * 1024, False, True),  # the codec's pointwise products: columns, half each
+        # ... and what it leaves whole
+        (2, 256 * 1024, True, False),  # EAR-TTS's MLPs for one session (2 guided rows)
+        (1, 1072 * 512, False, False),  # under MIN_SPLIT_WORK
+        # a batched tick's few rows against small float32 weights: no longer split
+        (8, 256 * 1024, True, False),  # EAR-TTS's MLPs for 4 sessions
+        (16, 256 * 1024, True, False),  # ... for 8 sessions
+        (4, 256 * 1024, True, False),  # the encoder's feed-forward for 4 sessions
+        (32, 256 * 1024, True, True),  # enough rows
+        (4, 256 * 1024, False, True),  # the same product split by columns: each half reads half
+    ],
+)
+def test_split_pays_by_work_rows_and_weight(rows, weight, by_rows, splits):
+    assert parallel.split_pays(rows * weight, rows if by_rows else None) is splits
+
+
+def test_row_split_of_a_few_rows_needs_a_large_weight(monkeypatch):
+    monkeypatch.setenv(parallel.SPLIT_ENV, "1")
+    small, large = parallel.MIN_ROW_SPLIT_WEIGHT // 2, parallel.MIN_ROW_SPLIT_WEIGHT
+    few = parallel.MIN_ROW_SPLIT_ROWS - 1
+    assert split_stream(few * small * 8) is not None  # a column split of that much work
+    assert split_stream(few * small, few) is None
+    assert split_stream(few * large, few) == parallel.secondary_stream()
+    assert split_stream(parallel.MIN_ROW_SPLIT_ROWS * small, parallel.MIN_ROW_SPLIT_ROWS) is not None
+    assert split_stream(few * small * 8, 0) is None  # no rows: nothing to split
+    # a module's product takes the rule: 8 rows against a 256 x 1024 float32 weight stay whole
+    fast = SplitLinear(256, 1024, bias=False)
+    store_transposed(fast)
+    calls = []
+    monkeypatch.setattr(parallel, "_row_pieces", lambda *args: calls.append(args))
+    x = mx.random.normal((8, 1, 256))
+    assert mx.array_equal(fast(x), x @ fast.weight.T).item() and not calls
+    fast(mx.random.normal((32, 256)))
+    assert len(calls) == 1
 
 
 def test_split_products_work_from_another_thread(always_split):

@@ -15,10 +15,23 @@ computes an element, never how. Tests compare every swapped module with upstream
 bit, and the parity tests compare ids and codes against the upstream model.
 
 The split is used only when the default device is the CPU (on a GPU the second stream
-would move work off the GPU), when the machine has at least two cores, for products whose
-work (rows x weight elements, i.e. multiply-adds) is at least :data:`MIN_SPLIT_WORK`
-(handing half of a small product to the other thread and waiting for it costs more than
-it saves: a few tens of microseconds per join), and unless ``MLX_VOICECHAT_CPU_SPLIT=0``.
+would move work off the GPU), when the machine has at least two cores, unless
+``MLX_VOICECHAT_CPU_SPLIT=0``, and only where it pays (:func:`split_pays`):
+
+* the work (rows x weight elements, i.e. multiply-adds) is at least :data:`MIN_SPLIT_WORK`
+  (handing half of a small product to the other thread and waiting for it costs more than
+  it saves: a few tens of microseconds per join, more when the other core is busy);
+* a split of the **rows** (:func:`split_rows`, :func:`chunked_rows`: each half reads the
+  whole weight) also needs at least :data:`MIN_ROW_SPLIT_ROWS` rows or a weight of at
+  least :data:`MIN_ROW_SPLIT_WEIGHT` elements. A few rows against a small weight (a batched
+  tick's EAR-TTS MLPs: 8 rows against ``256 x 1024`` float32) are about 0.1 ms of arithmetic;
+  splitting them doubled their CPU time (the second half reads the weight again, and the
+  join waits for a core that is often busy). A split of the output **columns**
+  (:func:`split_columns`: each half reads half the weight) keeps the work rule alone.
+
+A solo medium frame splits the same products under this rule as under the work rule alone
+(``tests/test_parallel.py`` checks the decisions; ``docs/performance.md``, "Many sessions on
+one model").
 
 MLX streams belong to the thread that created them, so each thread gets its own streams
 (:func:`secondary_stream`, :func:`side_stream`).
@@ -40,6 +53,13 @@ from .native import linear, quantized_matmul
 SPLIT_ENV = "MLX_VOICECHAT_CPU_SPLIT"
 #: Smallest product (multiply-adds: rows x weight elements) split across the two cores.
 MIN_SPLIT_WORK = 1 << 20
+#: Fewest rows of a row split (each half reads the whole weight) unless the weight has at
+#: least :data:`MIN_ROW_SPLIT_WEIGHT` elements (the codec's row split starts at the same
+#: count, ``accel/cpu/codec.py``'s ``ROW_SPLIT_MIN_STEPS``).
+MIN_ROW_SPLIT_ROWS = 32
+#: Weight elements from which a row split of fewer than :data:`MIN_ROW_SPLIT_ROWS` rows is
+#: still taken (a solo frame's subsampling output projection, 4 rows against ``256 x 2176``).
+MIN_ROW_SPLIT_WEIGHT = 1 << 19
 
 _local = threading.local()
 
@@ -90,14 +110,38 @@ def unsplit():
         _local.inside = previous
 
 
-def split_stream(work: int) -> mx.Stream | None:
+def split_pays(work: int, rows: int | None = None) -> bool:
+    """Whether a product is large enough for the two-core split to pay (the size rule of
+    the module docstring; the switch, device and streams are :func:`split_stream`'s).
+
+    Args:
+        work: multiply-adds (rows x weight elements).
+        rows: for a split of the rows (each half reads the whole weight), how many rows;
+            None for a split of the output columns or channels (each half reads half).
+
+    Returns:
+        ``work >= MIN_SPLIT_WORK``, and for a row split also ``rows >= MIN_ROW_SPLIT_ROWS``
+        or a weight (``work // rows`` elements) of at least ``MIN_ROW_SPLIT_WEIGHT``.
+    """
+    if work < MIN_SPLIT_WORK:
+        return False
+    if rows is None or rows >= MIN_ROW_SPLIT_ROWS:
+        return True
+    return rows > 0 and work // rows >= MIN_ROW_SPLIT_WEIGHT
+
+
+def split_stream(work: int, rows: int | None = None) -> mx.Stream | None:
     """The stream for the second half of a product of ``work`` multiply-adds, or None when
     the product should not be split (see the module docstring).
+
+    Args:
+        work: multiply-adds of the whole product.
+        rows: the row count when the split divides the rows (:func:`split_pays`).
 
     Products issued while the secondary or side stream is current, inside a half of
     another split (:func:`split_rows`) or inside :func:`unsplit`, are not split.
     """
-    if work < MIN_SPLIT_WORK or getattr(_local, "inside", False):
+    if not split_pays(work, rows) or getattr(_local, "inside", False):
         return None
     if mx.default_device() != mx.cpu or not split_enabled():
         return None
@@ -141,13 +185,14 @@ def split_rows(x: mx.array, product, weight_elements: int, *aligned: mx.array) -
     Args:
         x: the input; its leading axes are the rows.
         product: ``product(rows, *aligned_rows) -> (rows, N)``.
-        weight_elements: multiply-adds per row, to decide whether splitting pays.
+        weight_elements: multiply-adds per row, to decide whether splitting pays
+            (:func:`split_pays` with ``rows``: each half reads the whole weight).
         aligned: further inputs with the same leading shape as ``x``, split the same way.
 
     Returns the same array as ``product(x, *aligned)``.
     """
     rows = math.prod(x.shape[:-1])
-    other = split_stream(rows * weight_elements) if rows >= 2 else None
+    other = split_stream(rows * weight_elements, rows) if rows >= 2 else None
     if other is None:
         return product(x, *aligned)
     return _row_pieces(x, product, [0, rows // 2, rows], other, aligned)
@@ -186,7 +231,7 @@ def chunked_rows(x: mx.array, product, rows_per_chunk: int, weight_elements: int
     if rows <= rows_per_chunk:
         return split_rows(x, product, weight_elements, *aligned)
     bounds = [*range(0, rows, rows_per_chunk), rows]
-    return _row_pieces(x, product, bounds, split_stream(rows * weight_elements), aligned)
+    return _row_pieces(x, product, bounds, split_stream(rows * weight_elements, rows), aligned)
 
 
 def store_transposed(linear: nn.Linear) -> None:
