@@ -259,6 +259,23 @@ def test_rvq_encode_is_bit_identical(kernels, table_dtype):
         kernels.rvq_encode(poisoned, norms, books, embeddings, 4, 5)
 
 
+def test_rvq_encode_row_blocks_are_bit_identical(kernels):
+    """More rows than one block of the kernel (it reads each codebook once per block of
+    rows): every row, a NaN one among them, gets the indices of its own search."""
+    rng = np.random.default_rng(9)
+    quantizers, codes, latent = 5, 48, 24
+    embeddings = _random(rng, (quantizers, codes, latent), mx.float32)
+    norms = mx.sum(embeddings * embeddings, axis=-1)
+    books = mx.contiguous(embeddings.astype(mx.float32).transpose(0, 2, 1))
+    for rows in (7, 8, 9, 17):
+        residual = _random(rng, (rows, 1, latent), mx.float32)
+        residual = mx.where((mx.arange(rows) == rows - 2)[:, None, None] & (mx.arange(latent) == 5), float("nan"), residual)
+        got = native.rvq_encode(residual, norms, books, embeddings, 1, 4)
+        assert _same(got, _rvq_reference(residual, norms, books, embeddings, 1, 4))
+        alone = [native.rvq_encode(residual[row : row + 1], norms, books, embeddings, 1, 4) for row in range(rows)]
+        assert _same(got, mx.concatenate(alone, axis=0))
+
+
 def test_tts_rvq_step_matches_upstream(models):
     from mlx_vlm.models.nemotron_voicechat.tts import RVQEARTTSModel
 

@@ -836,37 +836,101 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
 // distances = float(norms[q]) - 2 * (residual . books[q]) (the product summed in order over
 // the latent axis, as mx.matmul sums it), the first minimum (or first NaN, as mx.argmin
 // picks it), then residual -= float(embeddings[q][index]).
+//
+// Rows are independent, codebooks sequential within a row: the rows run in blocks of
+// kRvqRows, and each codebook (latent x codes float32, 512 KB at the model's size) is read
+// once per block, each of its latent rows applied to every row of the block while it is in
+// cache (rather than streaming all codebooks once per row). Every row's sums keep their
+// order (from zero, in order over the latent axis), so its indices are the same as alone.
+constexpr long kRvqRows = 8;
+
+typedef int32_t vlane __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
+
+// The index mx.argmin picks among distance[c] = float(norm[c]) - 2 * sums[c], c < codes:
+// the first NaN if there is one, else the first minimum (-0 and +0 equal). Each vector lane
+// scans its own columns c = lane (mod kLanes) with that rule, then the lanes are merged
+// (a NaN lane's index, else the least value's, the smallest index among equals), and the
+// tail continues the scan in order: the same index as one in-order scan.
+template <typename N>
+uint32_t first_minimum(const N* norm, const float* sums, long codes) {
+  long c = 0;
+  float best = 0.0f;
+  uint32_t index = 0;
+  if (codes >= 2 * kLanes) {
+    float widened[kLanes];
+    auto distances = [&](long at) {
+      for (int t = 0; t < kLanes; ++t) widened[t] = widen(norm[at + t]);
+      return load(widened) - (vf{} + 2.0f) * load(sums + at);
+    };
+    vf lane_best = distances(0);
+    vlane lane_index;
+    for (int t = 0; t < kLanes; ++t) lane_index[t] = t;
+    vlane here = lane_index;
+    for (c = kLanes; c + kLanes <= codes; c += kLanes) {
+      here = here + kLanes;
+      const vf distance = distances(c);
+      const vlane take = (distance < lane_best) | ((distance != distance) & (lane_best == lane_best));
+      lane_best = take ? distance : lane_best;
+      lane_index = take ? here : lane_index;
+    }
+    bool found_nan = false;
+    for (int t = 0; t < kLanes; ++t) {
+      const float value = lane_best[t];
+      const uint32_t at = static_cast<uint32_t>(lane_index[t]);
+      if (std::isnan(value)) {
+        if (!found_nan || at < index) index = at;
+        if (!found_nan) best = value;
+        found_nan = true;
+      } else if (!found_nan && (t == 0 || value < best || (value == best && at < index))) {
+        best = value;
+        index = at;
+      }
+    }
+  } else {
+    best = widen(norm[0]) - 2.0f * sums[0];
+    c = 1;
+  }
+  for (; c < codes; ++c) {
+    const float distance = widen(norm[c]) - 2.0f * sums[c];
+    if (distance < best || (std::isnan(distance) && !std::isnan(best))) {
+      best = distance;
+      index = static_cast<uint32_t>(c);
+    }
+  }
+  return index;
+}
+
 template <typename N, typename E>
 void rvq_rows(const float* residual, long rows, long latent, const N* norms, const float* books,
               const E* embeddings, long codes, int start, int count, uint32_t* out) {
-  float* r = scratch(kRowsScratch, static_cast<size_t>(latent));
-  float* dot = scratch(kResultScratch, static_cast<size_t>(codes));
-  for (long row = 0; row < rows; ++row) {
-    std::memcpy(r, residual + row * latent, sizeof(float) * latent);
+  const long block = std::min(rows, kRvqRows);
+  float* r = scratch(kRowsScratch, static_cast<size_t>(block * latent));
+  float* dot = scratch(kResultScratch, static_cast<size_t>(block * codes));
+  for (long first = 0; first < rows; first += kRvqRows) {
+    const long live = std::min(kRvqRows, rows - first);
+    std::memcpy(r, residual + first * latent, sizeof(float) * live * latent);
     for (int q = start; q < start + count; ++q) {
       const float* book = books + static_cast<long>(q) * latent * codes;
-      std::fill(dot, dot + codes, 0.0f);
+      std::fill(dot, dot + live * codes, 0.0f);
       for (long k = 0; k < latent; ++k) {
-        const float rk = r[k];
         const float* column = book + k * codes;
-        for (long c = 0; c < codes; ++c) {
-          const float product = rk * column[c];
-          dot[c] = dot[c] + product;
+        for (long row = 0; row < live; ++row) {
+          const float rk = r[row * latent + k];
+          float* sums = dot + row * codes;
+          for (long c = 0; c < codes; ++c) {
+            const float product = rk * column[c];
+            sums[c] = sums[c] + product;
+          }
         }
       }
       const N* norm = norms + static_cast<long>(q) * codes;
-      float best = widen(norm[0]) - 2.0f * dot[0];
-      uint32_t index = 0;
-      for (long c = 1; c < codes; ++c) {
-        const float distance = widen(norm[c]) - 2.0f * dot[c];
-        if (distance < best || (std::isnan(distance) && !std::isnan(best))) {
-          best = distance;
-          index = static_cast<uint32_t>(c);
-        }
+      for (long row = 0; row < live; ++row) {
+        const uint32_t index = first_minimum(norm, dot + row * codes, codes);
+        out[(first + row) * count + (q - start)] = index;
+        const E* chosen = embeddings + (static_cast<long>(q) * codes + index) * latent;
+        float* own = r + row * latent;
+        for (long k = 0; k < latent; ++k) own[k] = own[k] - widen(chosen[k]);
       }
-      out[row * count + (q - start)] = index;
-      const E* chosen = embeddings + (static_cast<long>(q) * codes + index) * latent;
-      for (long k = 0; k < latent; ++k) r[k] = r[k] - widen(chosen[k]);
     }
   }
 }
