@@ -301,7 +301,8 @@ def rvq_encode(
     Bit-identical to upstream ``RVQEARTTSModel._rvq_encode_step``: per codebook ``q``,
     ``argmin(norms[q] - 2 * residual @ books[q])`` (the product summed in ``mx.matmul``'s
     order; the first minimum, or the first NaN as ``mx.argmin`` picks it), then
-    ``residual -= embeddings[q][index]``.
+    ``residual -= embeddings[q][index]``. The kernel reads each codebook once per block of
+    8 rows (a batched tick's sessions), every row's arithmetic as alone.
 
     Args:
         residual: ``(..., L)`` float32.
