@@ -291,6 +291,50 @@ def test_tts_rvq_step_matches_upstream(models):
             assert got.dtype == want.dtype and mx.array_equal(got, want).item()
 
 
+def test_top_p_keep_is_bit_identical(kernels):
+    """Upstream's top-p filter (argsort, cumulative sum, scatter) against the kernel's mask:
+    ties (equal logits keep their index order), probabilities that underflow to zero, NaN
+    and infinite logits, one component, top-p near 0 and 1."""
+    from mlx_vlm.models.nemotron_voicechat.tts import _top_p_logits
+
+    rng = np.random.default_rng(11)
+    cases = [
+        rng.standard_normal((3, 1, 300)) * 3,
+        rng.integers(-2, 3, (5, 1, 64)).astype(np.float64),  # many exact ties
+        rng.standard_normal((2, 1, 300)) * 80,  # most probabilities 0.0
+        np.where(np.arange(7) == 2, np.nan, rng.standard_normal((2, 1, 7))),
+        np.where(np.arange(9) % 4 == 0, np.inf, np.zeros((1, 1, 9))),
+        rng.standard_normal((4, 1, 1)),
+    ]
+    for values in cases:
+        logits = mx.array(values.astype(np.float32))
+        for top_p in (0.95, 0.5, 1e-9, 0.9999999):
+            keep = native.top_p_keep(mx.softmax(logits, axis=-1), top_p)
+            assert keep.dtype == mx.bool_ and keep.shape == logits.shape
+            got = mx.where(keep, logits, -float("inf"))
+            assert mx.array_equal(got, _top_p_logits(logits, top_p), equal_nan=True).item()
+    with pytest.raises(ValueError):
+        kernels.top_p_keep(mx.zeros((2, 3), dtype=mx.bfloat16), 0.5)
+
+
+def test_tts_top_p_logits_matches_upstream(models, monkeypatch):
+    from mlx_vlm.models.nemotron_voicechat.tts import _top_p_logits
+
+    from mlx_voicechat_plugin.accel.cpu import tts as cpu_tts
+
+    ours, *_ = models("tiny")
+    tts = ours.tts_model.tts_model
+    logits = mx.random.normal((3, 1, tts.config.mog_head.num_predictions)) * 4
+    for top_p in (0.95, 0.3, 1.0):
+        assert mx.array_equal(tts.top_p_logits(logits, top_p), _top_p_logits(logits, top_p)).item()
+    with pytest.raises(ValueError):
+        tts.top_p_logits(logits, 0.0)
+    calls = []
+    monkeypatch.setattr(cpu_tts, "top_p_keep", lambda *args: calls.append(args) or native.top_p_keep(*args))
+    tts.top_p_logits(logits, 0.95)
+    assert len(calls) == 1  # the kernel's mask, not upstream's operations
+
+
 def test_kernels_from_other_threads(kernels):
     rng = np.random.default_rng(12)
     a = _random(rng, (33, 128), mx.bfloat16)

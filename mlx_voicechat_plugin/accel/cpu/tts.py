@@ -6,15 +6,18 @@ codebook, transposed and row-contiguous (the layout the reference BLAS multiplie
 same sums), and the nearest-codeword steps of a block of codebooks in one kernel
 (:func:`.native.rvq_encode`: upstream's order, the first minimum or first NaN as
 ``mx.argmin`` picks it). Without the kernel the steps use :func:`.native.matmul` against
-the copy.
+the copy. :meth:`KernelRVQEARTTSModel.top_p_logits` gives the batched MoG head
+(:mod:`mlx_voicechat_plugin.runtime.batch.speech`) upstream's top-p filter with its mask
+from one kernel (:func:`.native.top_p_keep`).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_vlm.models.nemotron_voicechat.tts import _top_p_logits
 
 from ...model.tts import FastRVQEARTTSModel
-from .native import matmul, rvq_encode
+from .native import matmul, rvq_encode, top_p_keep
 
 
 class KernelRVQEARTTSModel(FastRVQEARTTSModel):
@@ -26,6 +29,18 @@ class KernelRVQEARTTSModel(FastRVQEARTTSModel):
             # (Q, latent, codes): each codebook's float32 transpose, row-contiguous.
             return mx.contiguous(self.rvq_embs.astype(mx.float32).transpose(0, 2, 1))
         return super()._build_table(name)
+
+    def top_p_logits(self, logits: mx.array, top_p: float) -> mx.array:
+        """Upstream ``nemotron_voicechat.tts._top_p_logits(logits, top_p)``, bit for bit:
+        ``logits`` ``(..., P)`` with the components outside the nucleus set to ``-inf``. The
+        mask (upstream's argsort, cumulative sum and scatter) comes from one kernel when it
+        is in use; upstream's function otherwise (and for ``top_p`` outside ``(0, 1)``,
+        where it returns the logits or raises ``ValueError``)."""
+        if 0.0 < top_p < 1.0:
+            keep = top_p_keep(mx.softmax(logits.astype(mx.float32), axis=-1), top_p)
+            if keep is not None:
+                return mx.where(keep, logits, -float("inf"))
+        return _top_p_logits(logits, top_p)
 
     def _encode_block(self, residual, start: int, count: int) -> mx.array:
         norms, transposed = self._table("norms"), self._table("f32t")

@@ -119,8 +119,9 @@ def key_values(keys: mx.array) -> list[int]:
     return [(high << 32) | low for high, low in keys.tolist()]
 
 
-def _mog_infer(head, x, guidance_scale, top_p, uniform):
-    """Upstream ``MoGHead.infer`` with the uniform noise given (``(B, 1, P)``)."""
+def _mog_infer(head, x, guidance_scale, top_p, uniform, top_p_logits=_top_p_logits):
+    """Upstream ``MoGHead.infer`` with the uniform noise given (``(B, 1, P)``); ``top_p_logits``
+    computes upstream's ``_top_p_logits`` (the CPU layer's EAR-TTS class gives a kernel's)."""
     for layer in head.mlp_stack:
         x = layer(x)
     if guidance_scale > 0.0:
@@ -128,7 +129,7 @@ def _mog_infer(head, x, guidance_scale, top_p, uniform):
         cond, uncond = x[:half], x[half:]
         x = cond + guidance_scale * (cond - uncond)
     b, t, _ = x.shape
-    logits = _top_p_logits(head.proj_logits(x), top_p)
+    logits = top_p_logits(head.proj_logits(x), top_p)
     gumbel = -mx.log(-mx.log(uniform + 1e-8) + 1e-8)
     component = mx.argmax(mx.log(mx.softmax(logits.astype(mx.float32), axis=-1)) + gumbel, axis=-1)
     flat_x = x.reshape(-1, x.shape[-1])
@@ -153,6 +154,7 @@ def generate_codes(tts, hidden: mx.array, noise: list[tuple[mx.array, mx.array]]
         ``(B, 1, 31)`` int32 codes.
     """
     config = tts.config
+    top_p_logits = getattr(tts, "top_p_logits", _top_p_logits)  # the CPU layer's: one kernel
     half = hidden.shape[0] // 2
     conditional, unconditional = hidden[:half], hidden[half:]
     code = mx.full((*conditional.shape[:2], config.num_quantizers), config.codebook_size, dtype=mx.int32)
@@ -165,7 +167,7 @@ def generate_codes(tts, hidden: mx.array, noise: list[tuple[mx.array, mx.array]]
         iteration += 1
         embedded = tts.embed_code(tts.depthsum_embedding(code))
         mog_input = mx.concatenate([embedded + conditional, embedded + unconditional], axis=0)
-        mu, logs = _mog_infer(tts.mog_head, mog_input, config.guidance_scale, config.top_p, uniform)
+        mu, logs = _mog_infer(tts.mog_head, mog_input, config.guidance_scale, config.top_p, uniform, top_p_logits)
         residual = mu + mx.exp(logs) * normal * config.noise_scale
         code = tts._rvq_encode_step(residual, code, completed, count)
         completed += count

@@ -3,7 +3,7 @@
 Each kernel computes what one MLX operation computes on the CPU, in the same order and with
 the same roundings, so results are bit-identical; only faster. The model calls the
 wrappers here: :func:`matmul` / :func:`linear`, :func:`depthwise_conv1d`, :func:`rms_norm`,
-:func:`rvq_encode`, :func:`lookup16` and :func:`quantized_matmul`.
+:func:`rvq_encode`, :func:`top_p_keep`, :func:`lookup16` and :func:`quantized_matmul`.
 
 **Products.** MLX's CPU backend computes float32 products with the reference BLAS ``sgemm`` and
 bfloat16/float16 products with its own scalar ``simd_gemm``. Both give each output the
@@ -316,6 +316,30 @@ def rvq_encode(
     if residual.dtype != mx.float32 or books.dtype != mx.float32 or not _use("rvq_encode", None, None):
         return None
     return _state["module"].rvq_encode(residual, norms, books, embeddings, start, count)
+
+
+def top_p_keep(probs: mx.array, top_p: float) -> mx.array | None:
+    """The mask of upstream ``nemotron_voicechat.tts._top_p_logits`` in one kernel, or None
+    when the kernel is unavailable (the caller runs upstream's operations).
+
+    Bit-identical to upstream's ``argsort`` (MLX's: stable, NaNs last), ``take_along_axis``,
+    reverse exclusive ``cumsum``, ``< top_p`` and ``put_along_axis``: a stable radix sort
+    of the probabilities, the same float32 running sum from the largest down.
+
+    Args:
+        probs: ``(..., n)`` float32 probabilities (``mx.softmax`` of the logits, as upstream).
+        top_p: the nucleus mass, compared in float32.
+
+    Returns:
+        ``(..., n)`` bool: True where upstream keeps the logit.
+    """
+    module = _state["module"]
+    if (
+        probs.dtype != mx.float32 or probs.ndim < 1 or not _use("top_p_keep", None, None)
+        or not hasattr(module, "top_p_keep")
+    ):
+        return None
+    return module.top_p_keep(probs, float(top_p))
 
 
 def lookup16(x: mx.array, table: mx.array) -> mx.array:

@@ -22,6 +22,8 @@
 //
 // rms_norm: mx.fast.rms_norm on the CPU (MLX runs its fallback graph there).
 //
+// top_p_keep: the mask of EAR-TTS's top-p filter (argsort, reverse cumulative sum, scatter).
+//
 // quantized_matmul: mx.quantized_matmul (affine, transposed weight, bits 2/4/8, group sizes
 // 32/64/128) with MLX's scalar loop's order and roundings (see the section below).
 //
@@ -1037,6 +1039,116 @@ mx::array rvq_encode(const mx::array& residual, const mx::array& norms, const mx
 }
 
 // ---------------------------------------------------------------------------------------
+// top_p_keep
+
+// The mask of upstream nemotron_voicechat.tts._top_p_logits for probabilities p (a row of
+// n): indices = argsort(p) (MLX's CPU argsort: ascending and stable, -0 equal to +0, NaNs
+// last), mass_above[i] = the sum of p[indices[j]] for j > i, accumulated in float32 from
+// the last j down (mx.cumsum(reverse=True, inclusive=False)), keep[indices[i]] =
+// mass_above[i] < top_p. Here the sort is a stable radix sort of order-preserving 32-bit
+// keys (so equal values keep their index order, as MLX's), then the same running sum.
+void top_p_rows(const float* probs, long rows, long n, float top_p, bool* keep) {
+  thread_local std::vector<uint32_t> keys, spare_keys, order, spare_order;
+  keys.resize(n);
+  spare_keys.resize(n);
+  order.resize(n);
+  spare_order.resize(n);
+  for (long row = 0; row < rows; ++row) {
+    const float* p = probs + row * n;
+    for (long i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, p + i, sizeof(bits));
+      if (std::isnan(p[i])) {
+        bits = 0xFFFFFFFFu;
+      } else {
+        if (bits == 0x80000000u) bits = 0;  // -0 sorts with +0
+        bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+      }
+      keys[i] = bits;
+      order[i] = static_cast<uint32_t>(i);
+    }
+    uint32_t* key = keys.data();
+    uint32_t* index = order.data();
+    uint32_t* other_key = spare_keys.data();
+    uint32_t* other_index = spare_order.data();
+    for (int shift = 0; shift < 32; shift += 8) {  // least significant byte first: stable
+      long count[257] = {0};
+      for (long i = 0; i < n; ++i) ++count[((key[i] >> shift) & 0xFF) + 1];
+      if (count[((key[0] >> shift) & 0xFF) + 1] == n) continue;  // one bucket: order unchanged
+      for (int b = 0; b < 256; ++b) count[b + 1] += count[b];
+      for (long i = 0; i < n; ++i) {
+        const long at = count[(key[i] >> shift) & 0xFF]++;
+        other_key[at] = key[i];
+        other_index[at] = index[i];
+      }
+      std::swap(key, other_key);
+      std::swap(index, other_index);
+    }
+    bool* out = keep + row * n;
+    float above = 0.0f;
+    for (long i = n - 1; i >= 0; --i) {
+      out[index[i]] = above < top_p;
+      above = above + p[index[i]];
+    }
+  }
+}
+
+class TopPKeep : public CpuKernel {
+ public:
+  TopPKeep(mx::Stream stream, float top_p) : CpuKernel(stream, "top_p_keep"), top_p_(top_p) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(inputs[0]);
+    encoder.set_output_array(out);
+    encoder.dispatch([probs = mx::array::unsafe_weak_copy(inputs[0]), out = mx::array::unsafe_weak_copy(out),
+                      top_p = top_p_]() mutable {
+      const long n = probs.ndim() == 0 ? 1 : probs.shape(-1);
+      const long rows = n == 0 ? 0 : static_cast<long>(probs.size()) / n;
+      if (rows == 0) return;
+      top_p_rows(row_contiguous<float>(probs, 0), rows, n, top_p, out.data<bool>());
+    });
+  }
+
+  // A mask carries no derivative.
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>&,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    std::vector<mx::array> grads;
+    for (int arg : argnums) grads.push_back(mx::zeros_like(primals[arg], stream()));
+    return grads;
+  }
+
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>&,
+                             const std::vector<int>&) override {
+    return {mx::zeros(primals[0].shape(), mx::bool_, stream())};
+  }
+
+  const char* name() const override {
+    return "TopPKeep";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return static_cast<const TopPKeep&>(other).top_p_ == top_p_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float top_p_;
+};
+
+mx::array top_p_keep(const mx::array& probs, float top_p) {
+  if (probs.ndim() < 1 || probs.dtype() != mx::float32) {
+    throw std::invalid_argument("top_p_keep: probabilities must be float32 (..., n)");
+  }
+  mx::Stream stream = cpu_stream("top_p_keep");
+  return mx::array(probs.shape(), mx::bool_, std::make_shared<TopPKeep>(stream, top_p), {probs});
+}
+
+// ---------------------------------------------------------------------------------------
 // quantized_matmul
 
 // MLX's CPU QuantizedMatmul (affine mode, transposed weight) runs the scalar loop _qmm_t
@@ -1554,6 +1666,8 @@ NB_MODULE(_kernels, m) {
   m.def("rvq_encode", &rvq_encode, nb::arg("residual"), nb::arg("norms"), nb::arg("books"),
         nb::arg("embeddings"), nb::arg("start"), nb::arg("count"),
         "Nearest-codeword residual quantisation over codebooks [start, start + count).");
+  m.def("top_p_keep", &top_p_keep, nb::arg("probs"), nb::arg("top_p"),
+        "The keep mask of nemotron_voicechat's _top_p_logits for float32 probabilities (..., n).");
   m.def("lookup16", &lookup16, nb::arg("x"), nb::arg("table"),
         "table[bits(x)] for bfloat16/float16 x and a (65536,) table of the same dtype.");
   m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
