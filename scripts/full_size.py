@@ -197,6 +197,21 @@ def measure_offline(path: Path, seconds: list[float]) -> dict:
     return {"turns": _offline_turns(model, tokenizer, seconds), "peak_rss_gb": _peak_rss() / 1e9}
 
 
+class _FromRoot:
+    """The perception module seen from the model's root (``stt_model.perception.*`` paths),
+    so that :func:`pin_f32_weights` pins what a load pins without touching (and so
+    materialising) the rest of the unloaded model."""
+
+    def __init__(self, perception):
+        self.perception = perception
+
+    def parameters(self) -> dict:
+        return {"stt_model": {"perception": self.perception.parameters()}}
+
+    def update(self, tree: dict) -> None:
+        self.perception.update(tree["stt_model"]["perception"])
+
+
 def _perception_only(path: Path, upstream: bool, cpu_layer: bool = True):
     """The encoder and its projection with the checkpoint's weights (sanitized as the loader
     does; ours pinned to f32 as at load and, with ``cpu_layer``, with the CPU layer's
@@ -208,7 +223,7 @@ def _perception_only(path: Path, upstream: bool, cpu_layer: bool = True):
     from mlx_vlm.models.nemotron_voicechat import ModelConfig
 
     from mlx_voicechat_plugin.model import Model
-    from mlx_voicechat_plugin.model.pinning import pin_f32_weights
+    from mlx_voicechat_plugin.model.pinning import pin_f32_weights, pinning_enabled
 
     config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
     model = (UpstreamModel if upstream else Model)(config)
@@ -223,8 +238,8 @@ def _perception_only(path: Path, upstream: bool, cpu_layer: bool = True):
     perception = model.stt_model.perception
     perception.load_weights([(key[len("stt_model.perception."):], value) for key, value in weights.items()])
     del weights
-    if not upstream:
-        pin_f32_weights(perception)
+    if not upstream and pinning_enabled():  # as the loader pins: paths from the model's root
+        pin_f32_weights(_FromRoot(perception))
     mx.eval(perception.parameters())
     if not upstream and cpu_layer:
         from mlx_voicechat_plugin.accel.cpu import native

@@ -95,3 +95,16 @@ def test_layers_outside_the_encoder_are_refused(full_size, stacks):
             full_size.PerceptionParts(perception, layers=bad)
     with pytest.raises(SystemExit):
         full_size.main(["perception", "unused", "--layers", "0"])
+
+
+def test_ours_is_pinned_as_a_load_pins_it(full_size, stacks, tiny):
+    from mlx.utils import tree_flatten
+
+    from mlx_voicechat_plugin.loading import load
+
+    loaded, _ = load(tiny)
+    expected = {path: value.dtype for path, value in tree_flatten(loaded.stt_model.perception.parameters())}
+    ours = {path: value.dtype for path, value in tree_flatten(stacks["ours"].stt_model.perception.parameters())}
+    upstream = {path: value.dtype for path, value in tree_flatten(stacks["upstream"].stt_model.perception.parameters())}
+    assert ours == expected
+    assert mx.float32 in ours.values() and any(dtype != mx.float32 for dtype in upstream.values())
