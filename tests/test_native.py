@@ -276,6 +276,20 @@ def test_rvq_encode_row_blocks_are_bit_identical(kernels):
         assert _same(got, mx.concatenate(alone, axis=0))
 
 
+def test_rvq_encode_leaves_zero_width_latents_and_bad_top_p_to_mlx(kernels):
+    """A latent width of 0 (the kernel would leave its output unwritten) and a ``top_p``
+    outside ``(0, 1)`` (upstream returns the logits or raises) are not the kernels' cases:
+    the wrappers answer None, so the callers' MLX / upstream paths run (hostile review)."""
+    embeddings = mx.zeros((2, 4, 0))
+    books = mx.zeros((2, 0, 4))
+    norms = mx.zeros((2, 4))
+    assert native.rvq_encode(mx.zeros((3, 1, 0)), norms, books, embeddings, 0, 2) is None
+    probs = mx.softmax(mx.array([[0.1, 2.0, -1.0]]), axis=-1)
+    for top_p in (0.0, -0.5, 1.0, 1.5, float("nan")):
+        assert native.top_p_keep(probs, top_p) is None
+    assert native.top_p_keep(probs, 0.5) is not None
+
+
 def test_tts_rvq_step_matches_upstream(models):
     from mlx_vlm.models.nemotron_voicechat.tts import RVQEARTTSModel
 

@@ -311,9 +311,13 @@ def rvq_encode(
         embeddings: ``(Q, C, L)`` codebooks (float32 or bfloat16).
 
     Returns:
-        ``(..., count)`` uint32 indices (``mx.argmin``'s dtype), or None.
+        ``(..., count)`` uint32 indices (``mx.argmin``'s dtype), or None (also for a latent
+        width of 0, which the kernel does not cover: the caller's MLX path answers it).
     """
-    if residual.dtype != mx.float32 or books.dtype != mx.float32 or not _use("rvq_encode", None, None):
+    if (
+        residual.dtype != mx.float32 or books.dtype != mx.float32 or residual.ndim < 1
+        or residual.shape[-1] == 0 or not _use("rvq_encode", None, None)
+    ):
         return None
     return _state["module"].rvq_encode(residual, norms, books, embeddings, start, count)
 
@@ -328,14 +332,17 @@ def top_p_keep(probs: mx.array, top_p: float) -> mx.array | None:
 
     Args:
         probs: ``(..., n)`` float32 probabilities (``mx.softmax`` of the logits, as upstream).
-        top_p: the nucleus mass, compared in float32.
+        top_p: the nucleus mass, compared in float32; only ``0 < top_p < 1`` is computed here
+            (upstream returns the logits unchanged for ``top_p >= 1`` and raises otherwise:
+            None, so the caller runs upstream's function and gets its answer).
 
     Returns:
-        ``(..., n)`` bool: True where upstream keeps the logit.
+        ``(..., n)`` bool: True where upstream keeps the logit; or None.
     """
     module = _state["module"]
     if (
-        probs.dtype != mx.float32 or probs.ndim < 1 or not _use("top_p_keep", None, None)
+        not 0.0 < float(top_p) < 1.0
+        or probs.dtype != mx.float32 or probs.ndim < 1 or not _use("top_p_keep", None, None)
         or not hasattr(module, "top_p_keep")
     ):
         return None
