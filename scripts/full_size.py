@@ -197,21 +197,6 @@ def measure_offline(path: Path, seconds: list[float]) -> dict:
     return {"turns": _offline_turns(model, tokenizer, seconds), "peak_rss_gb": _peak_rss() / 1e9}
 
 
-class _FromRoot:
-    """The perception module seen from the model's root (``stt_model.perception.*`` paths),
-    so that :func:`pin_f32_weights` pins what a load pins without touching (and so
-    materialising) the rest of the unloaded model."""
-
-    def __init__(self, perception):
-        self.perception = perception
-
-    def parameters(self) -> dict:
-        return {"stt_model": {"perception": self.perception.parameters()}}
-
-    def update(self, tree: dict) -> None:
-        self.perception.update(tree["stt_model"]["perception"])
-
-
 def _perception_only(path: Path, upstream: bool, cpu_layer: bool = True):
     """The encoder and its projection with the checkpoint's weights (sanitized as the loader
     does; ours pinned to f32 as at load and, with ``cpu_layer``, with the CPU layer's
@@ -239,7 +224,7 @@ def _perception_only(path: Path, upstream: bool, cpu_layer: bool = True):
     perception.load_weights([(key[len("stt_model.perception."):], value) for key, value in weights.items()])
     del weights
     if not upstream and pinning_enabled():  # as the loader pins: paths from the model's root
-        pin_f32_weights(_FromRoot(perception))
+        pin_f32_weights(perception, prefix="stt_model.perception.")
     mx.eval(perception.parameters())
     if not upstream and cpu_layer:
         from mlx_voicechat_plugin.accel.cpu import native

@@ -135,3 +135,23 @@ def test_perception_output_is_bit_identical_pinned_and_unpinned(pinned_and_unpin
     assert outputs_pinned[0].dtype == mx.float32
     for x, y in zip(outputs_pinned, outputs_unpinned, strict=True):
         assert np.array_equal(np.array(x), np.array(y))
+
+
+def test_pinning_a_submodule_with_its_prefix_pins_what_pinning_the_model_pins(pinned_and_unpinned):
+    """``pin_f32_weights(submodule, prefix=...)`` selects by the paths from the model's root:
+    the same dtypes as the whole model pinned; without the prefix none of the encoder's
+    paths match (what scripts/full_size.py perception once did)."""
+    from mlx_voicechat_plugin.model.pinning import pin_f32_weights
+
+    pinned, unpinned, _ = pinned_and_unpinned
+    perception = unpinned.stt_model.perception
+    stored = perception.parameters()
+    try:
+        assert pin_f32_weights(perception).tensors == 0
+        report = pin_f32_weights(perception, prefix="stt_model.perception.")
+        assert report.tensors > 0
+        want = {k: v for k, v in _dtypes(pinned).items() if k.startswith("stt_model.perception.")}
+        got = {f"stt_model.perception.{k}": v.dtype for k, v in tree_flatten(perception.parameters())}
+        assert got == want
+    finally:
+        perception.update(stored)  # the module-scoped fixture stays unpinned

@@ -74,7 +74,7 @@ def is_pinned_parameter(path: str) -> bool:
     return bool(_PINNED.match(path))
 
 
-def pin_f32_weights(model) -> PinningReport:
+def pin_f32_weights(model, prefix: str = "") -> PinningReport:
     """Convert the f32-only weights of ``model`` to f32 in place (exact), one tensor at a time.
 
     Each f32 copy is computed right after the model drops its bf16 source, so (unless
@@ -82,13 +82,18 @@ def pin_f32_weights(model) -> PinningReport:
     beside the pinned tensors. Quantized tensors and integer buffers are never touched;
     tensors already f32 are skipped (so the call is idempotent).
 
+    Args:
+        model: the whole model, or a submodule of it.
+        prefix: the submodule's path from the model's root (e.g. ``"stt_model.perception."``),
+            so it pins exactly what pinning the whole model pins there; ``""`` for the model.
+
     Returns:
         A :class:`PinningReport` with the memory cost.
     """
     tensors = parameters = extra = 0
     for path, value in tree_flatten(model.parameters()):
         if not (
-            is_pinned_parameter(path)
+            is_pinned_parameter(prefix + path)
             and mx.issubdtype(value.dtype, mx.floating)
             and value.dtype != mx.float32
         ):
