@@ -34,12 +34,12 @@ class KernelRVQEARTTSModel(FastRVQEARTTSModel):
         """Upstream ``nemotron_voicechat.tts._top_p_logits(logits, top_p)``, bit for bit:
         ``logits`` ``(..., P)`` with the components outside the nucleus set to ``-inf``. The
         mask (upstream's argsort, cumulative sum and scatter) comes from one kernel when it
-        is in use; upstream's function otherwise (and for ``top_p`` outside ``(0, 1)``,
-        where it returns the logits or raises ``ValueError``)."""
-        if 0.0 < top_p < 1.0:
-            keep = top_p_keep(mx.softmax(logits.astype(mx.float32), axis=-1), top_p)
-            if keep is not None:
-                return mx.where(keep, logits, -float("inf"))
+        is in use; upstream's function otherwise (also for ``top_p`` outside ``(0, 1)``,
+        which the kernel's wrapper leaves to it: upstream returns the logits or raises
+        ``ValueError``)."""
+        keep = top_p_keep(mx.softmax(logits.astype(mx.float32), axis=-1), top_p)
+        if keep is not None:
+            return mx.where(keep, logits, -float("inf"))
         return _top_p_logits(logits, top_p)
 
     def _encode_block(self, residual, start: int, count: int) -> mx.array:

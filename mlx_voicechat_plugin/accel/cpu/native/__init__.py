@@ -339,14 +339,9 @@ def top_p_keep(probs: mx.array, top_p: float) -> mx.array | None:
     Returns:
         ``(..., n)`` bool: True where upstream keeps the logit; or None.
     """
-    module = _state["module"]
-    if (
-        not 0.0 < float(top_p) < 1.0
-        or probs.dtype != mx.float32 or probs.ndim < 1 or not _use("top_p_keep", None, None)
-        or not hasattr(module, "top_p_keep")
-    ):
+    if not 0.0 < float(top_p) < 1.0 or probs.dtype != mx.float32 or probs.ndim < 1 or not _use("top_p_keep", None, None):
         return None
-    return module.top_p_keep(probs, float(top_p))
+    return _state["module"].top_p_keep(probs, float(top_p))
 
 
 def lookup16(x: mx.array, table: mx.array) -> mx.array:
