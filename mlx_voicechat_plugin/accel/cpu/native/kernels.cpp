@@ -95,6 +95,21 @@ inline void store(float* p, vf v) {
   *reinterpret_cast<vf_unaligned*>(p) = v;
 }
 
+// x in every lane. Not ``vf{} + x``: that is an addition, 0 + x, which the compiler must
+// keep for signed zeros (a scalar add and a register broadcast per use, competing with the
+// products' vector multiplies and adds for the same ports).
+inline vf broadcast(float x) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(x);
+#elif defined(__AVX2__)
+  return (vf)_mm256_set1_ps(x);
+#else
+  vf v;
+  for (int lane = 0; lane < kLanes; ++lane) v[lane] = x;
+  return v;
+#endif
+}
+
 // R rows of A (float32, row stride K) against one packed K x kPanel panel.
 template <int R>
 inline void block(const float* a, long K, const float* panel, long ldp, float* out, long ldo,
@@ -108,7 +123,9 @@ inline void block(const float* a, long K, const float* panel, long ldp, float* o
     const vf b0 = load(panel + k * ldp);
     const vf b1 = load(panel + k * ldp + kLanes);
     for (int r = 0; r < R; ++r) {
-      const vf x = vf{} + a[r * K + k];
+      // broadcast, not 0 + a: the same sums (an accumulator starts at +0 and can never be
+      // -0, so the sign of a zero product never shows)
+      const vf x = broadcast(a[r * K + k]);
       const vf p0 = x * b0;
       const vf p1 = x * b1;
       acc0[r] = acc0[r] + p0;
@@ -1222,18 +1239,6 @@ struct RoundTo<mx::bfloat16_t> {
     return as_vf(r);
   }
 };
-
-// x in every lane (one broadcast: ``vf{} + x`` is an addition, 0 + x, that the compiler
-// must keep for signed zeros).
-inline vf broadcast(float x) {
-#if defined(__AVX512F__)
-  return (vf)_mm512_set1_ps(x);
-#elif defined(__AVX2__)
-  return (vf)_mm256_set1_ps(x);
-#else
-  return vf{} + x;
-#endif
-}
 
 // scale * q + bias in float32 with one rounding where that is what MLX's two give: a
 // 16-bit scale (at most 11 significant bits) times a q of at most 8 bits is exact in
