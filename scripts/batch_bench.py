@@ -16,6 +16,15 @@ times interleaved (1, 2, 4, 8, 1, 2, ...) in one process and each figure is the 
 the repeats, so a change in the machine's load hits every count alike. For the largest N it
 also checks that every session's events (ids, codes, audio) equal the same session run
 alone. The machine's load (``uptime``) is printed: the CPU may be shared.
+
+With ``--interleave`` every session count gets its own engine, all open at once, and each
+round advances every engine by one tick in turn (the order reversed every other round), so
+a slow or fast period of a shared or virtual machine hits every count alike within
+milliseconds rather than seconds. Each count's row then also gives the **paired** ratios:
+the median over rounds of its tick divided by the one-session tick of the same round
+(``paired_tick_over_one_session``, ``paired_cpu_over_one_session``), the steadier estimate
+of "tick with N sessions / one session's frame" on a machine whose speed drifts. (Memory is
+measured per engine while it opens and warms up alone, before the rounds.)
 """
 
 from __future__ import annotations
@@ -108,6 +117,84 @@ def run(model, tokenizer, sessions: int, frames: int, warmup: int):
     }, [events[session_id] for session_id in ids], audio
 
 
+def interleaved(model, tokenizer, counts: list[int], frames: int, warmup: int):
+    """:func:`run` for every count in ``counts`` with the ticks interleaved (``--interleave``).
+
+    A one-session engine runs ``warmup`` ticks first and is dropped (one-time allocations).
+    Each count gets an engine, opened and warmed up (``warmup`` ticks) alone, its active-memory
+    growth measured then; the remaining ``frames - warmup`` ticks run in rounds, every engine
+    one tick per round (order reversed every other round); one more, counted tick per engine
+    gives the primitives and host synchronisations.
+
+    Returns:
+        ``(rows, events, audio)`` as :func:`run` returns them, one per count (rows keyed as
+        :func:`run`'s, plus ``paired_tick_over_one_session`` / ``paired_cpu_over_one_session``
+        when ``counts`` includes 1: per round the tick / the one-session tick, median).
+    """
+    from mlx_voicechat_plugin.bench.graph import GraphCounter
+    from mlx_voicechat_plugin.runtime.batch import BatchedEngine
+
+    def tick(engine, ids, audio, events, frame):
+        for session_id, samples in zip(ids, audio):
+            engine.push_audio(session_id, samples[frame * FRAME : (frame + 1) * FRAME])
+        start, start_cpu = time.perf_counter(), time.process_time()
+        results = engine.tick()
+        elapsed = (time.perf_counter() - start, time.process_time() - start_cpu)
+        for session_id, result in results.items():
+            assert result.error is None, result.error
+            events[session_id] += result.events
+        return elapsed
+
+    # one session first, discarded: one-time allocations (derived weights, memos) are not
+    # charged to the first count's engine
+    primer = BatchedEngine(model, tokenizer)
+    primer_ids = [primer.open(_options(0), incremental_prefill=False)]
+    primer_audio = [_audio(warmup + 1, 0)]
+    for frame in range(warmup):
+        tick(primer, primer_ids, primer_audio, {primer_ids[0]: []}, frame)
+    primer.close(primer_ids[0])
+    engines = []
+    for sessions in counts:
+        mx.eval(mx.zeros(1))
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        engine = BatchedEngine(model, tokenizer)
+        ids = [engine.open(_options(index), incremental_prefill=False) for index in range(sessions)]
+        audio = [_audio(frames + 1, index) for index in range(sessions)]
+        events = {session_id: [] for session_id in ids}
+        for frame in range(warmup):
+            tick(engine, ids, audio, events, frame)
+        engines.append({"sessions": sessions, "engine": engine, "ids": ids, "audio": audio, "events": events,
+                        "memory": mx.get_active_memory() - base, "times": []})
+    for frame in range(warmup, frames):
+        for entry in engines if frame % 2 == 0 else engines[::-1]:
+            entry["times"].append(tick(entry["engine"], entry["ids"], entry["audio"], entry["events"], frame))
+    solo = next((entry for entry in engines if entry["sessions"] == 1), None)
+    rows = []
+    for entry in engines:
+        with GraphCounter() as counter:
+            tick(entry["engine"], entry["ids"], entry["audio"], entry["events"], frames)
+            counted = counter.frame()
+        walls = [wall for wall, _ in entry["times"]]
+        state = [state_bytes(entry["engine"].session(session_id)) for session_id in entry["ids"]]
+        row = {
+            "sessions": entry["sessions"],
+            "tick_median_ms": 1000 * statistics.median(walls),
+            "tick_p90_ms": 1000 * sorted(walls)[int(0.9 * (len(walls) - 1))],
+            "tick_cpu_median_ms": 1000 * statistics.median(cpu for _, cpu in entry["times"]),
+            "primitives_per_tick": counted.primitives,
+            "host_syncs_per_tick": counted.evaluations,
+            "state_mb_per_session": statistics.mean(state) / 2**20,
+            "active_memory_mb": entry["memory"] / 2**20,
+        }
+        if solo is not None:
+            pairs = list(zip(entry["times"], solo["times"]))
+            row["paired_tick_over_one_session"] = statistics.median(mine[0] / one[0] for mine, one in pairs)
+            row["paired_cpu_over_one_session"] = statistics.median(mine[1] / one[1] for mine, one in pairs)
+        rows.append(row)
+    return rows, [[entry["events"][i] for i in entry["ids"]] for entry in engines], [entry["audio"] for entry in engines]
+
+
 def state_bytes(session) -> int:
     """Bytes of the arrays a session keeps between frames (encoder window, Mamba state, KV
     caches, EAR-TTS caches, codec overlap, RNNT state): what one more session costs."""
@@ -141,6 +228,8 @@ def main(argv=None) -> int:
     parser.add_argument("--frames", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every session count")
+    parser.add_argument("--interleave", action="store_true",
+                        help="one engine per session count, their ticks interleaved round by round (paired ratios)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.frames <= args.warmup or min(args.sessions) < 1:
@@ -161,8 +250,12 @@ def main(argv=None) -> int:
     runs: dict[int, list[dict]] = {sessions: [] for sessions in args.sessions}
     last = None
     for repeat in range(args.repeats):
-        for sessions in args.sessions:
-            row, events, audio = run(model, tokenizer, sessions, args.frames, args.warmup)
+        if args.interleave:
+            found = interleaved(model, tokenizer, args.sessions, args.frames, args.warmup)
+        else:
+            found = zip(*(run(model, tokenizer, sessions, args.frames, args.warmup) for sessions in args.sessions))
+        for row, events, audio in zip(*found):
+            sessions = row["sessions"]
             runs[sessions].append(row)
             last = (sessions, events, audio) if sessions == max(args.sessions) else last
             if args.repeats > 1:

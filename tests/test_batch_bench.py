@@ -1,0 +1,47 @@
+"""``scripts/batch_bench.py``: the interleaved mode (``--interleave``) times every session
+count round by round, gives the paired ratios, and its sessions' events still equal solo runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "batch_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("batch_bench_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_interleaved_rows_and_paired_ratios(bench, models):
+    model, tokenizer = models("tiny")[:2]
+    rows, events, audio = bench.interleaved(model, tokenizer, [1, 3], frames=5, warmup=2)
+    assert [row["sessions"] for row in rows] == [1, 3]
+    one, three = rows
+    assert one["paired_tick_over_one_session"] == 1.0 and one["paired_cpu_over_one_session"] == 1.0
+    assert three["paired_tick_over_one_session"] > 0 and three["paired_cpu_over_one_session"] > 0
+    assert three["primitives_per_tick"] > one["primitives_per_tick"] > 0
+    assert three["host_syncs_per_tick"] == 2
+    # every engine advanced every frame: warm-up, the rounds and the counted tick
+    assert [len(per_engine) for per_engine in events] == [1, 3]
+    for index, (samples, got) in enumerate(zip(audio[1], events[1])):
+        alone = bench.solo_events(model, tokenizer, index, samples)
+        assert bench._rows(alone) == bench._rows(got)
+
+
+def test_cli_interleave_writes_json(bench, tiny, tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--model", str(tiny), "--sessions", "1", "2", "--frames", "4", "--warmup", "2",
+                       "--interleave", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["identical"] is True
+    assert [row["sessions"] for row in result["rows"]] == [1, 2]
+    assert result["rows"][1]["paired_tick_over_one_session"] > 0
+    assert result["rows"][1]["memory_mb_per_extra_session"] > 0
