@@ -130,8 +130,10 @@ def evaluation_order(model, per_row: list[list]) -> list:
     """The arrays of a tick's final ``mx.eval``, ordered so that its lanes run side by side.
 
     MLX's ``eval`` orders the graph from the arrays it is given (a breadth-first walk of
-    bounded width, ``MLX_BFS_MAX_WIDTH``, 20) and keeps only about 10 operations in flight on
-    the streams (``MAX_ACTIVE_TASKS = 10`` in MLX 0.32's ``mlx/transforms.cpp``): given one lane's arrays first, it
+    bounded width, ``MLX_BFS_MAX_WIDTH``, 20) and keeps only about 50 operations in flight on
+    the streams (MLX 0.32: at most ``MAX_ACTIVE_TASKS = 10`` tasks, ``mlx/transforms.cpp``, of
+    ``DISPATCHES_PER_TASK = 10`` dispatches each, ``backend/cpu/encoder.h``; an operation
+    dispatches its kernel and the release of its inputs): given one lane's arrays first, it
     queues that lane's work first and the other lane's stream waits (measured: two stream
     threads runnable at once 9% of a 4-row codec decode). Taking the lanes' arrays in turn
     (one array of a row of the first lane, one of a row of the second, ...) lets both
