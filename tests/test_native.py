@@ -609,3 +609,18 @@ def test_link_flags_follow_the_platform(monkeypatch, platform, absent):
     monkeypatch.setattr(build.sys, "platform", platform)
     flags = build._link_flags()
     assert "-shared" in flags and absent not in flags
+
+
+@pytest.mark.parametrize("dtype, bits", [
+    (mx.float16, [0x8000, 0x7C01, 0xFE01, 0x3C00]),  # -0, signalling NaN, negative NaN, 1
+    (mx.bfloat16, [0x8000, 0x7F81, 0xFFC1, 0x3F80]),
+], ids=str)
+def test_empty_inner_dimension_returns_the_bias_bits(kernels, dtype, bits):
+    """K = 0 with a 16-bit bias: ``mx.addmm`` returns the bias's own bits (the kernel would
+    compute 0 + bias: -0 -> +0, NaN payloads quieted), and so do the wrappers."""
+    a, weight = mx.zeros((2, 0), dtype=dtype), mx.zeros((4, 0), dtype=dtype)
+    bias = mx.array(np.array(bits, dtype=np.uint16)).view(dtype)
+    expected = mx.addmm(bias, a, weight.T)
+    assert _same(native.linear(a, weight, bias), expected)
+    assert _same(native.matmul(a, weight.T, bias), expected)
+    assert np.array(native.linear(a, weight, bias).view(mx.uint16))[0].tolist() == bits

@@ -374,7 +374,9 @@ def matmul(a: mx.array, b: mx.array, bias: mx.array | None = None) -> mx.array:
     Raises:
         ValueError: shapes that ``mx.matmul`` also rejects.
     """
-    if bias is not None and (bias.ndim != 1 or bias.dtype != a.dtype or b.ndim != 2 or bias.shape[0] != b.shape[1]):
+    if bias is not None and (
+        bias.ndim != 1 or bias.dtype != a.dtype or b.ndim != 2 or bias.shape[0] != b.shape[1] or a.shape[-1] == 0
+    ):  # K = 0: mx.addmm returns the bias's own bits (the kernel would compute 0 + bias)
         return _reference(a, b, bias)
     if usable(a, b):
         return _state["module"].exact_matmul(a, b, bias)
@@ -397,7 +399,8 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
     """
     if bias is not None and (
         bias.ndim != 1 or bias.dtype != x.dtype or weight.ndim != 2 or bias.shape[0] != weight.shape[0]
-    ):
+        or x.shape[-1] == 0
+    ):  # K = 0: as matmul
         return _reference(x, weight.T, bias)
     # float32 activations against 16-bit weights (no bias): MLX widens the weights exactly
     # and multiplies in float32; so does the kernel (one product, not a cast then a product)

@@ -43,6 +43,8 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 #include <nanobind/nanobind.h>
@@ -103,7 +105,9 @@ inline vf broadcast(float x) {
   return (vf)_mm512_set1_ps(x);
 #elif defined(__AVX2__)
   return (vf)_mm256_set1_ps(x);
-#else
+#elif defined(__SSE2__)
+  return (vf)_mm_set1_ps(x);  // the generic variant on x86-64 (4 lanes)
+#else  // NEON and others
   vf v;
   for (int lane = 0; lane < kLanes; ++lane) v[lane] = x;
   return v;
