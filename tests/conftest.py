@@ -22,6 +22,26 @@ def _isolated_cache(tmp_path_factory):
 
 
 _BUILT: dict = {}
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.fixture(scope="session")
+def script():
+    """``script(name) -> module``: ``scripts/<name>.py`` imported as a module (the scripts
+    are not a package), once per name and session."""
+    import importlib.util
+
+    loaded: dict = {}
+
+    def get(name: str):
+        if name not in loaded:
+            spec = importlib.util.spec_from_file_location(f"{name}_script", SCRIPTS / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            loaded[name] = module
+        return loaded[name]
+
+    return get
 
 
 @pytest.fixture(scope="session")

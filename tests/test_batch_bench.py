@@ -3,21 +3,14 @@ count round by round, gives the paired ratios, and its sessions' events still eq
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "batch_bench.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("batch_bench_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(script):
+    return script("batch_bench")
 
 
 def test_interleaved_rows_and_paired_ratios(bench, models):

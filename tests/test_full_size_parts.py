@@ -4,21 +4,13 @@ projects the whole from the median layer (tiny preset, ours and upstream)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "full_size.py"
-
 
 @pytest.fixture(scope="module")
-def full_size():
-    spec = importlib.util.spec_from_file_location("full_size_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def full_size(script):
+    return script("full_size")
 
 
 @pytest.fixture(scope="module")
