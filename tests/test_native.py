@@ -624,3 +624,24 @@ def test_empty_inner_dimension_returns_the_bias_bits(kernels, dtype, bits):
     assert _same(native.linear(a, weight, bias), expected)
     assert _same(native.matmul(a, weight.T, bias), expected)
     assert np.array(native.linear(a, weight, bias).view(mx.uint16))[0].tolist() == bits
+
+
+def test_index_and_mask_kernels_carry_no_derivative(kernels):
+    """``rvq_encode`` (indices) and ``top_p_keep`` (a mask): zero cotangents for their inputs
+    and a zero tangent of the output's shape and dtype, as MLX gives ``argmin`` / a comparison."""
+    probs = mx.softmax(mx.random.normal((3, 10), key=mx.random.key(1)), axis=-1)
+    keep = lambda p: native.top_p_keep(p, 0.5)  # noqa: E731
+    (tangent,) = mx.jvp(keep, [probs], [mx.ones_like(probs)])[1]
+    assert tangent.dtype == mx.bool_ and tangent.shape == (3, 10) and not tangent.any().item()
+    (grad,) = mx.vjp(keep, [probs], [mx.ones((3, 10), dtype=mx.bool_)])[1]
+    assert grad.shape == probs.shape and grad.dtype == probs.dtype and mx.all(grad == 0).item()
+
+    rng = np.random.default_rng(3)
+    books = _random(rng, (4, 16, 8), mx.float32)
+    norms = mx.sum(books * books, axis=-1)
+    residual = _random(rng, (2, 1, 8), mx.float32)
+    encode = lambda r: native.rvq_encode(r, norms, mx.contiguous(books.transpose(0, 2, 1)), books, 1, 2)  # noqa: E731
+    (tangent,) = mx.jvp(encode, [residual], [mx.ones_like(residual)])[1]
+    assert tangent.dtype == mx.uint32 and tangent.shape == (2, 1, 2) and not tangent.any().item()
+    (grad,) = mx.vjp(encode, [residual], [mx.zeros((2, 1, 2), dtype=mx.uint32)])[1]
+    assert grad.shape == residual.shape and mx.all(grad == 0).item()

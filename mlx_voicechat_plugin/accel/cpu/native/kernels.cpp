@@ -374,6 +374,28 @@ class ReferenceKernel : public CpuKernel {
   virtual Reference reference() = 0;
 };
 
+// A CPU kernel whose output carries no derivative (indices like mx.argmin's, a mask): zero
+// cotangents for every input, and a zero tangent of the output's shape in `dtype`.
+class NoDerivativeKernel : public CpuKernel {
+ public:
+  NoDerivativeKernel(mx::Stream stream, const char* op, mx::Dtype dtype) : CpuKernel(stream, op), dtype_(dtype) {}
+
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>&,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    std::vector<mx::array> grads;
+    for (int arg : argnums) grads.push_back(mx::zeros_like(primals[arg], stream()));
+    return grads;
+  }
+
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>&,
+                             const std::vector<int>&) override {
+    return {mx::zeros(output_shapes(primals)[0], dtype_, stream())};
+  }
+
+ private:
+  mx::Dtype dtype_;
+};
+
 // Batched: a (*batch, M, K), b (*batch, K, N) (or (*batch, N, K) when transposed), same
 // batch shape (broadcast views allowed), out (*batch, M, N) row-major. Each matrix pair is
 // one product with the per-element order above (MLX runs one BLAS/simd_gemm call per batch).
@@ -958,10 +980,10 @@ void rvq_rows(const float* residual, long rows, long latent, const N* norms, con
   }
 }
 
-class RVQEncode : public CpuKernel {
+class RVQEncode : public NoDerivativeKernel {
  public:
   RVQEncode(mx::Stream stream, int start, int count)
-      : CpuKernel(stream, "rvq_encode"), start_(start), count_(count) {}
+      : NoDerivativeKernel(stream, "rvq_encode", mx::uint32), start_(start), count_(count) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -993,21 +1015,6 @@ class RVQEncode : public CpuKernel {
         rvq_rows(r, rows, latent, row_contiguous<float>(norms, 2), b, row_contiguous<float>(embeddings, 3), codes, start, count, o);
       }
     });
-  }
-
-  // Indices (like mx.argmin's) carry no derivative: zero cotangents for every input.
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>&,
-                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
-    std::vector<mx::array> grads;
-    for (int arg : argnums) grads.push_back(mx::zeros_like(primals[arg], stream()));
-    return grads;
-  }
-
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>&,
-                             const std::vector<int>&) override {
-    mx::Shape shape = primals[0].shape();
-    shape.back() = count_;
-    return {mx::zeros(shape, mx::uint32, stream())};
   }
 
   const char* name() const override {
@@ -1114,9 +1121,9 @@ void top_p_rows(const float* probs, long rows, long n, float top_p, bool* keep) 
   }
 }
 
-class TopPKeep : public CpuKernel {
+class TopPKeep : public NoDerivativeKernel {
  public:
-  TopPKeep(mx::Stream stream, float top_p) : CpuKernel(stream, "top_p_keep"), top_p_(top_p) {}
+  TopPKeep(mx::Stream stream, float top_p) : NoDerivativeKernel(stream, "top_p_keep", mx::bool_), top_p_(top_p) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -1130,19 +1137,6 @@ class TopPKeep : public CpuKernel {
       if (rows == 0) return;
       top_p_rows(row_contiguous<float>(probs, 0), rows, n, top_p, out.data<bool>());
     });
-  }
-
-  // A mask carries no derivative.
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>&,
-                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
-    std::vector<mx::array> grads;
-    for (int arg : argnums) grads.push_back(mx::zeros_like(primals[arg], stream()));
-    return grads;
-  }
-
-  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>&,
-                             const std::vector<int>&) override {
-    return {mx::zeros(primals[0].shape(), mx::bool_, stream())};
   }
 
   const char* name() const override {
