@@ -111,6 +111,29 @@ def test_matmul_non_finite_values(kernels, dtype):
     assert _same(native.matmul(big, big.T), big @ big.T)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_few_rows_against_row_major_float32_weights(kernels, rows):
+    """1-4 rows against a row-major float32 ``(K, N)`` weight take the kernel's memory-order
+    loop (``outer_rows``: the sums held in the output, 1,024 columns at a time); 5 rows
+    the packed panels. Same bits either way: widths across the column chunks and the
+    vector tail, non-finite values, signed zeros and subnormals, with and without bias."""
+    rng = np.random.default_rng(100 + rows)
+    for inner, outputs in ((1, 3), (17, 1024), (40, 1030), (9, 2100), (300, 16)):
+        a = _random(rng, (rows, inner), mx.float32, 3.0)
+        weight = mx.contiguous(_random(rng, (inner, outputs), mx.float32))  # (K, N) row-major
+        assert _same(native.matmul(a, weight), a @ weight), (inner, outputs)
+        assert _same(native.linear(a, weight.T), a @ weight), (inner, outputs)  # store_transposed's layout
+        bias = _random(rng, (outputs,), mx.float32, 10.0)
+        assert _same(native.linear(a, weight.T, bias), (a @ weight) + bias)
+    weight = mx.contiguous(_random(rng, (33, 1030), mx.float32))
+    special = mx.array([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 3e38], dtype=mx.float32)
+    a = mx.where(mx.arange(33) % 4 == 0, special[mx.arange(33) % 8], _random(rng, (rows, 33), mx.float32))
+    w = mx.where((mx.arange(1030) % 97 == 0)[None, :], special[mx.arange(33) % 8][:, None], weight)
+    assert _same_up_to_nan_sign(native.matmul(a, w), a @ w)
+    zeros = -mx.zeros((rows, 33))
+    assert _same(native.matmul(zeros, weight), zeros @ weight)  # -0 products sum to +0, as MLX's
+
+
 def test_matmul_mixed_dtypes_and_bad_shapes_follow_mlx(kernels):
     a = mx.ones((2, 3), dtype=mx.float32)
     b = mx.ones((3, 4), dtype=mx.bfloat16)

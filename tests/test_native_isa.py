@@ -69,7 +69,7 @@ def through(variant, monkeypatch):
 def test_variant_is_bit_identical_to_mlx(through):
     rng = np.random.default_rng(40)
     for dtype in FLOATS:
-        for rows, inner, outputs in ((1, 3, 1), (1, 256, 1000), (2, 37, 33), (5, 64, 70), (9, 130, 40), (64, 96, 200)):
+        for rows, inner, outputs in ((1, 3, 1), (1, 256, 1000), (2, 37, 33), (3, 20, 2100), (4, 9, 1030), (5, 64, 70), (9, 130, 40), (64, 96, 200)):
             a, w = _random(rng, (rows, inner), dtype), _random(rng, (outputs, inner), dtype)
             bias = _random(rng, (outputs,), dtype, 8.0)
             assert _same(native.linear(a, w), a @ w.T), (dtype, rows, inner, outputs)

@@ -240,7 +240,8 @@ def store_transposed(linear: nn.Linear) -> None:
 
     MLX's CPU product ``x @ weight.T`` then hands BLAS a row-major ``(K, N)`` operand,
     whose reference implementation runs its vectorisable loop form: 1.5-1.9x faster than
-    the ``(N, K)`` layout for the few-row products of a streamed frame, with the same sums.
+    the ``(N, K)`` layout for the few-row products of a streamed frame, with the same sums;
+    the native kernel reads it in memory order for one to four rows (:mod:`.native`).
     (bfloat16/float16 products convert the weight to float32 first, so their layout does
     not matter.)
     """

@@ -12,7 +12,11 @@ multiply-add) and round it once to the output dtype. ``kernels.cpp`` computes th
 same sum in that same order, vectorised across output columns and blocked across rows: the
 results are bit-identical to ``mx.matmul`` / ``mx.addmm`` and several times faster on rows
 of activations (10-15x at 64-441 rows, about 2.5x for two rows against a float32 weight on
-the machine in ``docs/performance.md``).
+the machine in ``docs/performance.md``). One to four float32 rows against a row-major
+float32 ``(K, N)`` weight (how :func:`..parallel.store_transposed` holds them) read the
+weight in memory order, the sums held in the output, instead of panel by panel: a panel's
+rows lie a whole weight row apart, each in another page, where the hardware prefetchers
+stop (the panel copies of larger products prefetch those rows in software).
 
 **Depthwise convolutions** (``nn.Conv1d`` with ``groups`` equal to the channels: the codec's
 ConvNeXt blocks, the conformer's convolution module, the Mamba layers): MLX sums the taps in

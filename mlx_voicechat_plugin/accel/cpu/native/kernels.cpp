@@ -11,6 +11,8 @@
 // result once to the output dtype. This kernel computes exactly that sum in exactly that
 // order, but vectorised across output columns and register-blocked across rows, so its
 // results are bit-identical to mx.matmul on the CPU while running several times faster.
+// One to four float32 rows against a row-major float32 weight take the same sums in a
+// different loop order (outer_rows: the weight read in memory order).
 //
 // lookup16: y[i] = table[bits(x[i])] for 16-bit floats (a 65,536-entry activation table),
 // a contiguous loop instead of MLX's general gather.
@@ -83,6 +85,9 @@ constexpr int kLanes = 4;  // SSE2 / any 128-bit vector unit (or scalar code)
 #endif
 constexpr int kPanel = 2 * kLanes;  // output columns per panel
 constexpr int kRows = 4;            // output rows per register block
+constexpr long kPrefetchRows = 16;  // weight rows prefetched ahead while packing a panel
+constexpr int kOuterRows = 4;       // at most this many rows read a row-major weight in order
+constexpr long kOuterColumns = 1024;  // columns of sums per pass of outer_rows (L1-resident)
 
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
 // Unaligned, aliasing view for loads and stores: a memcpy here made GCC keep the
@@ -114,6 +119,16 @@ inline vf broadcast(float x) {
 #endif
 }
 
+// Prefetch the cache lines of `bytes` bytes at `p` into the L2 cache. A panel's rows are
+// far apart in a row-major weight (4 KiB for 1,024 float32 columns: each in another page,
+// where the hardware prefetchers stop); into L2 rather than L1, where a 4 KiB stride maps
+// every row to the same few sets.
+inline void prefetch_row(const void* p, size_t bytes) {
+  const char* first = static_cast<const char*>(p);
+  __builtin_prefetch(first, 0, 2);
+  __builtin_prefetch(first + bytes - 1, 0, 2);
+}
+
 // R rows of A (float32, row stride K) against one packed K x kPanel panel.
 template <int R>
 inline void block(const float* a, long K, const float* panel, long ldp, float* out, long ldo,
@@ -123,6 +138,9 @@ inline void block(const float* a, long K, const float* panel, long ldp, float* o
     acc0[r] = vf{};
     acc1[r] = vf{};
   }
+  // Two k steps per iteration: without it GCC rotates some accumulators through extra
+  // register moves every step (measured 5-25 % slower on the codec's products, AVX-512 and AVX2).
+#pragma GCC unroll 2
   for (long k = 0; k < K; ++k) {
     const vf b0 = load(panel + k * ldp);
     const vf b1 = load(panel + k * ldp + kLanes);
@@ -137,10 +155,52 @@ inline void block(const float* a, long K, const float* panel, long ldp, float* o
     }
   }
   for (int r = 0; r < R; ++r) {
+    if (width == kPanel) {  // a full panel: straight to the output (no memcpy call per row)
+      store(out + r * ldo, acc0[r]);
+      store(out + r * ldo + kLanes, acc1[r]);
+      continue;
+    }
     float row[kPanel];
     store(row, acc0[r]);
     store(row + kLanes, acc1[r]);
     std::memcpy(out + r * ldo, row, sizeof(float) * width);
+  }
+}
+
+// R (<= kOuterRows) rows of A (float32, row stride K) against a float32 (K, N) weight whose
+// rows are contiguous (row stride ldb), read in memory order: for each k, row k of the
+// weight updates all R x N sums, held in `out` (R x N, row-major; at most kOuterColumns
+// columns at a time, so that they stay in the L1 cache). Each output is still the in-order
+// sum ((0 + a0*b0) + a1*b1) + ... of the panel kernel (`block`): only the loop order over
+// outputs differs. A panel of a row-major weight is K rows each in another part of it (4 KiB
+// apart for 1,024 float32 columns: another page, where the hardware prefetchers stop), so
+// with few rows to amortise it the panel kernel waits on memory; this order streams the
+// weight (1-4 rows against uncached 256 x 1,024 weights: 1.1-1.6x faster than packed panels;
+// at 8 rows no faster, docs/performance.md).
+template <int R>
+void outer_rows(const float* a, const float* b, long N, long K, long ldb, float* out) {
+  for (long c0 = 0; c0 < N; c0 += kOuterColumns) {
+    const long c1 = std::min(N, c0 + kOuterColumns);
+    for (int r = 0; r < R; ++r) std::fill(out + r * N + c0, out + r * N + c1, 0.0f);
+    for (long k = 0; k < K; ++k) {
+      const float* row = b + k * ldb;
+      vf x[R];
+      for (int r = 0; r < R; ++r) x[r] = broadcast(a[r * K + k]);
+      long n = c0;
+      for (; n + kLanes <= c1; n += kLanes) {
+        const vf w = load(row + n);
+        for (int r = 0; r < R; ++r) {
+          const vf p = x[r] * w;
+          store(out + r * N + n, load(out + r * N + n) + p);
+        }
+      }
+      for (; n < c1; ++n) {
+        for (int r = 0; r < R; ++r) {
+          const float p = a[r * K + k] * row[n];
+          out[r * N + n] = out[r * N + n] + p;
+        }
+      }
+    }
   }
 }
 
@@ -193,6 +253,17 @@ inline float widen(T x) {
 template <typename TA, typename TB = TA>
 void product(const TA* a, const TB* b, long M, long N, long K, long sbk, long sbn, float* out) {
   using T = TB;
+  if constexpr (std::is_same_v<TA, float> && std::is_same_v<T, float>) {
+    if (sbn == 1 && M <= kOuterRows) {  // few rows against a row-major (K, N) weight
+      switch (M) {
+        case 1: return outer_rows<1>(a, b, N, K, sbk, out);
+        case 2: return outer_rows<2>(a, b, N, K, sbk, out);
+        case 3: return outer_rows<3>(a, b, N, K, sbk, out);
+        case 4: return outer_rows<4>(a, b, N, K, sbk, out);
+        default: break;
+      }
+    }
+  }
   float* const panel = scratch(kPanelScratch, static_cast<size_t>(std::max<long>(K, 1)) * kPanel);
   const float* a32 = nullptr;
   if constexpr (std::is_same_v<TA, float>) {
@@ -204,19 +275,13 @@ void product(const TA* a, const TB* b, long M, long N, long K, long sbk, long sb
   }
   for (long j = 0; j < N; j += kPanel) {
     const int width = static_cast<int>(std::min<long>(kPanel, N - j));
-    const float* p = panel;
-    long ldp = kPanel;
-    if constexpr (std::is_same_v<T, float>) {
-      // Row-contiguous float32 (K, N) operand: read the full-width panels in place.
-      if (sbn == 1 && width == kPanel) {
-        p = b + j;
-        ldp = sbk;
-      }
-    }
-    for (long k = 0; p == panel && k < K; ++k) {
+    // Pack the panel (also a row-major float32 weight's: read in place, its rows are far
+    // apart and each row block would wait on memory again; packed, it stays in L1).
+    for (long k = 0; k < K; ++k) {
       const T* src = b + k * sbk + j * sbn;
       float* dst = panel + k * kPanel;
       if (sbn == 1) {
+        if (k + kPrefetchRows < K) prefetch_row(src + kPrefetchRows * sbk, sizeof(T) * width);
         for (int t = 0; t < width; ++t) dst[t] = widen(src[t]);
       } else {
         for (int t = 0; t < width; ++t) dst[t] = widen(src[t * sbn]);
@@ -225,17 +290,17 @@ void product(const TA* a, const TB* b, long M, long N, long K, long sbk, long sb
     }
     long i = 0;
     for (; i + kRows <= M; i += kRows) {
-      block<kRows>(a32 + i * K, K, p, ldp, out + i * N + j, N, width);
+      block<kRows>(a32 + i * K, K, panel, kPanel, out + i * N + j, N, width);
     }
     switch (M - i) {
       case 3:
-        block<3>(a32 + i * K, K, p, ldp, out + i * N + j, N, width);
+        block<3>(a32 + i * K, K, panel, kPanel, out + i * N + j, N, width);
         break;
       case 2:
-        block<2>(a32 + i * K, K, p, ldp, out + i * N + j, N, width);
+        block<2>(a32 + i * K, K, panel, kPanel, out + i * N + j, N, width);
         break;
       case 1:
-        block<1>(a32 + i * K, K, p, ldp, out + i * N + j, N, width);
+        block<1>(a32 + i * K, K, panel, kPanel, out + i * N + j, N, width);
         break;
       default:
         break;
