@@ -13,8 +13,8 @@ same sum in that same order, vectorised across output columns and blocked across
 results are bit-identical to ``mx.matmul`` / ``mx.addmm`` and several times faster on rows
 of activations (10-15x at 64-441 rows, about 2.5x for two rows against a float32 weight on
 the machine in ``docs/performance.md``). One to four float32 rows against a row-major
-float32 ``(K, N)`` weight (how :func:`..parallel.store_transposed` holds them) read the
-weight in memory order, the sums held in the output, instead of panel by panel: a panel's
+float32 ``(K, N)`` weight at least one vector wide (how :func:`..parallel.store_transposed`
+holds them) read the weight in memory order, the sums held in the output, instead of panel by panel: a panel's
 rows lie a whole weight row apart, each in another page, where the hardware prefetchers
 stop (the panel copies of larger products prefetch those rows in software).
 
@@ -83,7 +83,8 @@ def _self_test(module) -> None:
     rng = np.random.default_rng(0)
     with mx.stream(mx.cpu):
         for dtype in _SUPPORTED:
-            for rows, inner, outputs in ((1, 3, 1), (2, 37, 33), (5, 64, 70), (9, 130, 40)):
+            # (3, 5, 1100): the few-row float32 loop across its 1,024-column passes
+            for rows, inner, outputs in ((1, 3, 1), (2, 37, 33), (3, 5, 1100), (5, 64, 70), (9, 130, 40)):
                 a = mx.array(rng.standard_normal((rows, inner)).astype(np.float32)).astype(dtype)
                 w = mx.array(rng.standard_normal((outputs, inner)).astype(np.float32)).astype(dtype)
                 c = mx.array(rng.standard_normal(outputs).astype(np.float32) * 8).astype(dtype)

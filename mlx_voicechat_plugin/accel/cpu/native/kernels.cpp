@@ -125,8 +125,8 @@ inline vf broadcast(float x) {
 // every row to the same few sets.
 inline void prefetch_row(const void* p, size_t bytes) {
   const char* first = static_cast<const char*>(p);
-  __builtin_prefetch(first, 0, 2);
-  __builtin_prefetch(first + bytes - 1, 0, 2);
+  for (size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(first + offset, 0, 2);
+  __builtin_prefetch(first + bytes - 1, 0, 2);  // the last line when `first` is not line-aligned
 }
 
 // R rows of A (float32, row stride K) against one packed K x kPanel panel.
@@ -254,7 +254,9 @@ template <typename TA, typename TB = TA>
 void product(const TA* a, const TB* b, long M, long N, long K, long sbk, long sbn, float* out) {
   using T = TB;
   if constexpr (std::is_same_v<TA, float> && std::is_same_v<T, float>) {
-    if (sbn == 1 && M <= kOuterRows) {  // few rows against a row-major (K, N) weight
+    // few rows against a row-major (K, N) weight at least a vector wide (narrower ones would
+    // run only the scalar tail, slower than the panels)
+    if (sbn == 1 && M <= kOuterRows && N >= kLanes) {
       switch (M) {
         case 1: return outer_rows<1>(a, b, N, K, sbk, out);
         case 2: return outer_rows<2>(a, b, N, K, sbk, out);
