@@ -66,6 +66,47 @@ def _rows(events):
     ]
 
 
+def _tick(engine, ids, audio, events, frame: int) -> tuple[float, float]:
+    """Push each session's frame ``frame`` of ``audio``, tick ``engine`` once and append each
+    session's events to ``events``; returns the tick's (wall, CPU) seconds."""
+    for session_id, samples in zip(ids, audio):
+        engine.push_audio(session_id, samples[frame * FRAME : (frame + 1) * FRAME])
+    start, start_cpu = time.perf_counter(), time.process_time()
+    results = engine.tick()
+    elapsed = (time.perf_counter() - start, time.process_time() - start_cpu)
+    for session_id, result in results.items():
+        assert result.error is None, result.error
+        events[session_id] += result.events
+    return elapsed
+
+
+def _counted_tick(engine, ids, audio, events, frame: int):
+    """:func:`_tick`, untimed, under a graph counter (the count walks the graph); returns
+    the counted frame (``.primitives``, ``.evaluations``)."""
+    from mlx_voicechat_plugin.bench.graph import GraphCounter
+
+    with GraphCounter() as counter:
+        _tick(engine, ids, audio, events, frame)
+        return counter.frame()
+
+
+def _row(engine, ids, sessions: int, times: list[tuple[float, float]], counted, memory: int) -> dict:
+    """One session count's figures from its timed ticks' (wall, CPU) seconds, its counted
+    tick and the active memory (bytes) its engine took while warming up."""
+    walls = [wall for wall, _ in times]
+    state = [state_bytes(engine.session(session_id)) for session_id in ids]
+    return {
+        "sessions": sessions,
+        "tick_median_ms": 1000 * statistics.median(walls),
+        "tick_p90_ms": 1000 * sorted(walls)[int(0.9 * (len(walls) - 1))],
+        "tick_cpu_median_ms": 1000 * statistics.median(cpu for _, cpu in times),
+        "primitives_per_tick": counted.primitives,
+        "host_syncs_per_tick": counted.evaluations,
+        "state_mb_per_session": statistics.mean(state) / 2**20,
+        "active_memory_mb": memory / 2**20,
+    }
+
+
 def run(model, tokenizer, sessions: int, frames: int, warmup: int):
     from mlx_voicechat_plugin.runtime.batch import BatchedEngine
 
@@ -77,44 +118,15 @@ def run(model, tokenizer, sessions: int, frames: int, warmup: int):
     ids = [engine.open(_options(index), incremental_prefill=False) for index in range(sessions)]
     audio = [_audio(frames + 1, index) for index in range(sessions)]
     events = {session_id: [] for session_id in ids}
-    ticks, cpu = [], []
+    times = []
     memory_after_warmup = None
-    for frame in range(frames + 1):
-        if frame == frames:  # one more tick, counted (the count walks the graph: untimed)
-            from mlx_voicechat_plugin.bench.graph import GraphCounter
-
-            for session_id, samples in zip(ids, audio):
-                engine.push_audio(session_id, samples[frame * FRAME : (frame + 1) * FRAME])
-            with GraphCounter() as counter:
-                results = engine.tick()
-                counted = counter.frame()
-            for session_id, result in results.items():
-                assert result.error is None, result.error
-                events[session_id] += result.events
-            break
-        for session_id, samples in zip(ids, audio):
-            engine.push_audio(session_id, samples[frame * FRAME : (frame + 1) * FRAME])
-        start, start_cpu = time.perf_counter(), time.process_time()
-        results = engine.tick()
-        ticks.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-        for session_id, result in results.items():
-            assert result.error is None, result.error
-            events[session_id] += result.events
+    for frame in range(frames):
+        times.append(_tick(engine, ids, audio, events, frame))
         if frame == warmup - 1:
             memory_after_warmup = mx.get_active_memory()
-    timed = ticks[warmup:]
-    state = [state_bytes(engine.session(session_id)) for session_id in ids]
-    return {
-        "sessions": sessions,
-        "tick_median_ms": 1000 * statistics.median(timed),
-        "tick_p90_ms": 1000 * sorted(timed)[int(0.9 * (len(timed) - 1))],
-        "tick_cpu_median_ms": 1000 * statistics.median(cpu[warmup:]),
-        "primitives_per_tick": counted.primitives,
-        "host_syncs_per_tick": counted.evaluations,
-        "state_mb_per_session": statistics.mean(state) / 2**20,
-        "active_memory_mb": (memory_after_warmup - base) / 2**20,
-    }, [events[session_id] for session_id in ids], audio
+    counted = _counted_tick(engine, ids, audio, events, frames)  # one more tick, counted
+    row = _row(engine, ids, sessions, times[warmup:], counted, memory_after_warmup - base)
+    return row, [events[session_id] for session_id in ids], audio
 
 
 def interleaved(model, tokenizer, counts: list[int], frames: int, warmup: int):
@@ -131,19 +143,7 @@ def interleaved(model, tokenizer, counts: list[int], frames: int, warmup: int):
         :func:`run`'s, plus ``paired_tick_over_one_session`` / ``paired_cpu_over_one_session``
         when ``counts`` includes 1: per round the tick / the one-session tick, median).
     """
-    from mlx_voicechat_plugin.bench.graph import GraphCounter
     from mlx_voicechat_plugin.runtime.batch import BatchedEngine
-
-    def tick(engine, ids, audio, events, frame):
-        for session_id, samples in zip(ids, audio):
-            engine.push_audio(session_id, samples[frame * FRAME : (frame + 1) * FRAME])
-        start, start_cpu = time.perf_counter(), time.process_time()
-        results = engine.tick()
-        elapsed = (time.perf_counter() - start, time.process_time() - start_cpu)
-        for session_id, result in results.items():
-            assert result.error is None, result.error
-            events[session_id] += result.events
-        return elapsed
 
     # one session first, discarded: one-time allocations (derived weights, memos) are not
     # charged to the first count's engine
@@ -151,7 +151,7 @@ def interleaved(model, tokenizer, counts: list[int], frames: int, warmup: int):
     primer_ids = [primer.open(_options(0), incremental_prefill=False)]
     primer_audio = [_audio(warmup + 1, 0)]
     for frame in range(warmup):
-        tick(primer, primer_ids, primer_audio, {primer_ids[0]: []}, frame)
+        _tick(primer, primer_ids, primer_audio, {primer_ids[0]: []}, frame)
     primer.close(primer_ids[0])
     engines = []
     for sessions in counts:
@@ -163,30 +163,17 @@ def interleaved(model, tokenizer, counts: list[int], frames: int, warmup: int):
         audio = [_audio(frames + 1, index) for index in range(sessions)]
         events = {session_id: [] for session_id in ids}
         for frame in range(warmup):
-            tick(engine, ids, audio, events, frame)
+            _tick(engine, ids, audio, events, frame)
         engines.append({"sessions": sessions, "engine": engine, "ids": ids, "audio": audio, "events": events,
                         "memory": mx.get_active_memory() - base, "times": []})
     for frame in range(warmup, frames):
         for entry in engines if frame % 2 == 0 else engines[::-1]:
-            entry["times"].append(tick(entry["engine"], entry["ids"], entry["audio"], entry["events"], frame))
+            entry["times"].append(_tick(entry["engine"], entry["ids"], entry["audio"], entry["events"], frame))
     solo = next((entry for entry in engines if entry["sessions"] == 1), None)
     rows = []
     for entry in engines:
-        with GraphCounter() as counter:
-            tick(entry["engine"], entry["ids"], entry["audio"], entry["events"], frames)
-            counted = counter.frame()
-        walls = [wall for wall, _ in entry["times"]]
-        state = [state_bytes(entry["engine"].session(session_id)) for session_id in entry["ids"]]
-        row = {
-            "sessions": entry["sessions"],
-            "tick_median_ms": 1000 * statistics.median(walls),
-            "tick_p90_ms": 1000 * sorted(walls)[int(0.9 * (len(walls) - 1))],
-            "tick_cpu_median_ms": 1000 * statistics.median(cpu for _, cpu in entry["times"]),
-            "primitives_per_tick": counted.primitives,
-            "host_syncs_per_tick": counted.evaluations,
-            "state_mb_per_session": statistics.mean(state) / 2**20,
-            "active_memory_mb": entry["memory"] / 2**20,
-        }
+        counted = _counted_tick(entry["engine"], entry["ids"], entry["audio"], entry["events"], frames)
+        row = _row(entry["engine"], entry["ids"], entry["sessions"], entry["times"], counted, entry["memory"])
         if solo is not None:
             pairs = list(zip(entry["times"], solo["times"]))
             row["paired_tick_over_one_session"] = statistics.median(mine[0] / one[0] for mine, one in pairs)

@@ -38,3 +38,18 @@ def test_cli_interleave_writes_json(bench, tiny, tmp_path):
     assert [row["sessions"] for row in result["rows"]] == [1, 2]
     assert result["rows"][1]["paired_tick_over_one_session"] > 0
     assert result["rows"][1]["memory_mb_per_extra_session"] > 0
+
+
+def test_cli_classic_runs_share_the_tick_and_row_helpers(bench, tiny, tmp_path):
+    """Without ``--interleave`` each count runs on its own after the other (same row keys,
+    no paired ratios), and the largest count's events still equal solo runs."""
+    out = tmp_path / "bench.json"
+    assert bench.main(["--model", str(tiny), "--sessions", "1", "2", "--frames", "4", "--warmup", "2",
+                       "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["identical"] is True
+    one, two = result["rows"]
+    assert [one["sessions"], two["sessions"]] == [1, 2]
+    assert "paired_tick_over_one_session" not in two
+    assert two["host_syncs_per_tick"] == 2 and two["primitives_per_tick"] > one["primitives_per_tick"] > 0
+    assert two["tick_median_ms"] > 0 and "memory_mb_per_extra_session" in two  # sign: allocator noise at this size
