@@ -115,8 +115,9 @@ def test_matmul_non_finite_values(kernels, dtype):
 def test_few_rows_against_row_major_float32_weights(kernels, rows):
     """1-4 rows against a row-major float32 ``(K, N)`` weight at least a vector wide take the
     kernel's memory-order loop (``outer_rows``: the sums held in the output, 1,024 columns at
-    a time); 5 rows and narrower weights the packed panels. Same bits either way: widths across the column chunks and the
-    vector tail, non-finite values, signed zeros and subnormals, with and without bias."""
+    a time); 5 rows and narrower weights the packed panels. Same bits either way: widths
+    across the column chunks and the vector tail, non-finite values, signed zeros and
+    subnormals, with and without bias."""
     rng = np.random.default_rng(100 + rows)
     for inner, outputs in ((1, 3), (1024, 15), (17, 1024), (40, 1030), (9, 2100), (300, 16)):
         a = _random(rng, (rows, inner), mx.float32, 3.0)

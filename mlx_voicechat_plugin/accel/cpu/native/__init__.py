@@ -14,9 +14,10 @@ results are bit-identical to ``mx.matmul`` / ``mx.addmm`` and several times fast
 of activations (10-15x at 64-441 rows, about 2.5x for two rows against a float32 weight on
 the machine in ``docs/performance.md``). One to four float32 rows against a row-major
 float32 ``(K, N)`` weight at least one vector wide (how :func:`..parallel.store_transposed`
-holds them) read the weight in memory order, the sums held in the output, instead of panel by panel: a panel's
-rows lie a whole weight row apart, each in another page, where the hardware prefetchers
-stop (the panel copies of larger products prefetch those rows in software).
+holds them) read the weight in memory order, the sums held in the output, instead of panel
+by panel: a panel's rows lie a whole weight row apart, each in another page, where the
+hardware prefetchers stop (the panel copies of larger products prefetch those rows in
+software).
 
 **Depthwise convolutions** (``nn.Conv1d`` with ``groups`` equal to the channels: the codec's
 ConvNeXt blocks, the conformer's convolution module, the Mamba layers): MLX sums the taps in
