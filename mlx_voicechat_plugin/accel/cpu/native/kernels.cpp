@@ -418,6 +418,17 @@ class CpuKernel : public mx::UnaryPrimitive {
   }
 
  protected:
+  // Registers every input and `out` (already allocated: `task` captures weak copies of the
+  // arrays it reads and writes, taken after the allocation) with this stream's command
+  // encoder and queues `task` on it.
+  template <typename Task>
+  void encode(const std::vector<mx::array>& inputs, mx::array& out, Task&& task) {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& input : inputs) encoder.set_input_array(input);
+    encoder.set_output_array(out);
+    encoder.dispatch(std::forward<Task>(task));
+  }
+
   const char* op_;
 };
 
@@ -531,16 +542,11 @@ class ExactMatmul : public CpuKernel {
     const long N = transposed_ ? b.shape(-2) : b.shape(-1);
     const long M = K == 0 ? static_cast<long>(out.size() / std::max<long>(N, 1))
                           : static_cast<long>(a.size() / K);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
     const bool has_bias = inputs.size() == 3;
-    encoder.set_input_array(a);
-    encoder.set_input_array(b);
-    if (has_bias) encoder.set_input_array(inputs[2]);
-    encoder.set_output_array(out);
-    encoder.dispatch([a = mx::array::unsafe_weak_copy(a), b = mx::array::unsafe_weak_copy(b),
-                      c = mx::array::unsafe_weak_copy(has_bias ? inputs[2] : b), has_bias,
-                      transposed = transposed_, out = mx::array::unsafe_weak_copy(out), M, N,
-                      K, batched]() mutable {
+    encode(inputs, out, [a = mx::array::unsafe_weak_copy(a), b = mx::array::unsafe_weak_copy(b),
+                         c = mx::array::unsafe_weak_copy(has_bias ? inputs[2] : b), has_bias,
+                         transposed = transposed_, out = mx::array::unsafe_weak_copy(out), M, N,
+                         K, batched]() mutable {
       const mx::array* bias = has_bias ? &c : nullptr;
       if (a.dtype() != b.dtype()) {  // float32 a, 16-bit b (exact_matmul checked it)
         dispatch_float(b.dtype(), "exact_matmul", [&](auto tag) {
@@ -692,12 +698,8 @@ class Lookup16 : public CpuKernel {
     const mx::array& x = inputs[0];
     const mx::array& table = inputs[1];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(table);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), table = mx::array::unsafe_weak_copy(table),
-                      out = mx::array::unsafe_weak_copy(out)]() mutable {
+    encode(inputs, out, [x = mx::array::unsafe_weak_copy(x), table = mx::array::unsafe_weak_copy(table),
+                         out = mx::array::unsafe_weak_copy(out)]() mutable {
       const uint16_t* in = row_contiguous<uint16_t>(x, 0);
       const uint16_t* values = row_contiguous<uint16_t>(table, 1);
       uint16_t* result = out.data<uint16_t>();
@@ -777,12 +779,8 @@ class DepthwiseConv1d : public ReferenceKernel {
     const mx::array& x = inputs[0];
     const mx::array& w = inputs[1];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
-                      out = mx::array::unsafe_weak_copy(out), padding = long(padding_)]() mutable {
+    encode(inputs, out, [x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
+                         out = mx::array::unsafe_weak_copy(out), padding = long(padding_)]() mutable {
       const long batch = x.shape(0), steps_in = x.shape(1), channels = x.shape(2), taps = w.shape(1);
       if (out.size() == 0) return;
       dispatch_float(out.dtype(), "depthwise_conv1d", [&](auto tag) {
@@ -888,12 +886,8 @@ class RMSNormKernel : public ReferenceKernel {
     const mx::array& x = inputs[0];
     const mx::array& w = inputs[1];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
-                      out = mx::array::unsafe_weak_copy(out), eps = eps_]() mutable {
+    encode(inputs, out, [x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
+                         out = mx::array::unsafe_weak_copy(out), eps = eps_]() mutable {
       const long n = x.shape(-1);
       if (out.size() == 0 || n == 0) return;
       const long rows = static_cast<long>(out.size()) / n;
@@ -1053,14 +1047,11 @@ class RVQEncode : public NoDerivativeKernel {
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& input : inputs) encoder.set_input_array(input);
-    encoder.set_output_array(out);
-    encoder.dispatch([residual = mx::array::unsafe_weak_copy(inputs[0]),
-                      norms = mx::array::unsafe_weak_copy(inputs[1]),
-                      books = mx::array::unsafe_weak_copy(inputs[2]),
-                      embeddings = mx::array::unsafe_weak_copy(inputs[3]),
-                      out = mx::array::unsafe_weak_copy(out), start = start_, count = count_]() mutable {
+    encode(inputs, out, [residual = mx::array::unsafe_weak_copy(inputs[0]),
+                         norms = mx::array::unsafe_weak_copy(inputs[1]),
+                         books = mx::array::unsafe_weak_copy(inputs[2]),
+                         embeddings = mx::array::unsafe_weak_copy(inputs[3]),
+                         out = mx::array::unsafe_weak_copy(out), start = start_, count = count_]() mutable {
       const long latent = residual.shape(-1);
       const long rows = latent == 0 ? 0 : static_cast<long>(residual.size()) / latent;
       const long codes = norms.shape(1);
@@ -1193,11 +1184,8 @@ class TopPKeep : public NoDerivativeKernel {
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(inputs[0]);
-    encoder.set_output_array(out);
-    encoder.dispatch([probs = mx::array::unsafe_weak_copy(inputs[0]), out = mx::array::unsafe_weak_copy(out),
-                      top_p = top_p_]() mutable {
+    encode(inputs, out, [probs = mx::array::unsafe_weak_copy(inputs[0]), out = mx::array::unsafe_weak_copy(out),
+                         top_p = top_p_]() mutable {
       const long n = probs.ndim() == 0 ? 1 : probs.shape(-1);
       const long rows = n == 0 ? 0 : static_cast<long>(probs.size()) / n;
       if (rows == 0) return;
@@ -1614,13 +1602,10 @@ class QuantizedMatmulKernel : public CpuKernel {
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& input : inputs) encoder.set_input_array(input);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
-                      scales = mx::array::unsafe_weak_copy(inputs[2]),
-                      biases = mx::array::unsafe_weak_copy(inputs[3]), out = mx::array::unsafe_weak_copy(out),
-                      group = group_, bits = bits_]() mutable {
+    encode(inputs, out, [x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
+                         scales = mx::array::unsafe_weak_copy(inputs[2]),
+                         biases = mx::array::unsafe_weak_copy(inputs[3]), out = mx::array::unsafe_weak_copy(out),
+                         group = group_, bits = bits_]() mutable {
       dispatch_float(out.dtype(), "quantized_matmul", [&](auto tag) {
         using T = decltype(tag);
         if (scales.dtype() == out.dtype()) {
