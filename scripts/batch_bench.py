@@ -1,7 +1,7 @@
 """Benchmark the batched multi-session engine (issue #14): tick time versus sessions.
 
     .venv/bin/python scripts/batch_bench.py [--model CKPT | --preset medium] [--sessions 1 2 4 8]
-        [--frames 24] [--warmup 4] [--repeats 1] [--json out.json]
+        [--frames 24] [--warmup 4] [--repeats 1] [--interleave] [--no-solo-check] [--json out.json]
 
 For each session count N it opens N sessions (different prompts and seeds, so their KV
 caches have different lengths), feeds each the bundled question (looped) one frame per
@@ -15,7 +15,10 @@ the active memory each extra session adds. With ``--repeats R`` the session coun
 times interleaved (1, 2, 4, 8, 1, 2, ...) in one process and each figure is the median over
 the repeats, so a change in the machine's load hits every count alike. For the largest N it
 also checks that every session's events (ids, codes, audio) equal the same session run
-alone. The machine's load (``uptime``) is printed: the CPU may be shared.
+alone (exit status 1 when they do not; ``--no-solo-check`` skips this, for a GPU, whose
+results agree with solo runs only within ``tests/test_gpu.py``'s rule). The last lines give
+the most sessions measured in real time (tick <= 80 ms) among the counts run. The
+machine's load (``uptime``) is printed: the CPU may be shared.
 
 With ``--interleave`` every session count gets its own engine, all open at once, and each
 round advances every engine by one tick in turn (the order reversed every other round), so
@@ -207,6 +210,14 @@ def solo_events(model, tokenizer, index: int, samples: np.ndarray):
     return events
 
 
+def _same_events(alone, batched) -> bool:
+    """Whether a batched session's events equal its solo run's: kinds, frames, ids and codes
+    exactly, and every audio event's samples bit for bit."""
+    return _rows(alone) == _rows(batched) and all(
+        np.array_equal(a.samples, b.samples) for a, b in zip(alone, batched) if a.kind == "audio"
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint directory (default: a demo checkpoint of --preset)")
@@ -217,6 +228,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every session count")
     parser.add_argument("--interleave", action="store_true",
                         help="one engine per session count, their ticks interleaved round by round (paired ratios)")
+    parser.add_argument("--no-solo-check", action="store_true",
+                        help="skip re-running the largest count's sessions alone and comparing their events "
+                             "(for a GPU, whose results agree with solo runs only within tests/test_gpu.py's rule)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.frames <= args.warmup or min(args.sessions) < 1:
@@ -265,22 +279,21 @@ def main(argv=None) -> int:
         row["realtime_factor"] = row["tick_median_ms"] / 80.0
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     sessions, events, audio = last
-    identical = True
-    for index in range(sessions):
-        alone = solo_events(model, tokenizer, index, audio[index])
-        same = _rows(alone) == _rows(events[index]) and all(
-            np.array_equal(a.samples, b.samples)
-            for a, b in zip(alone, events[index])
-            if a.kind == "audio"
+    identical = None
+    if args.no_solo_check:
+        print(f"events of the {sessions} batched sessions not compared with solo runs (--no-solo-check)")
+    else:
+        identical = all(
+            _same_events(solo_events(model, tokenizer, index, audio[index]), events[index])
+            for index in range(sessions)
         )
-        identical &= same
-    print(f"events of the {sessions} batched sessions identical to solo runs: {identical}")
+        print(f"events of the {sessions} batched sessions identical to solo runs: {identical}")
     fits = max((row["sessions"] for row in rows if row["realtime_factor"] <= 1.0), default=0)
     print(f"most sessions measured in real time (tick <= 80 ms): {fits}")
     print(f"load after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "identical": identical, "fits": fits}, indent=2))
-    return 0 if identical else 1
+    return 1 if identical is False else 0
 
 
 if __name__ == "__main__":

@@ -12,11 +12,18 @@
 #                                    Python: the `gpu` tests (they skip off a GPU) and a short
 #                                    bench on the tiny preset. Add --no-bench to skip the bench.
 #   scripts/gpu-check.sh --plan      print the commands of a full run, run nothing.
+#   --sessions-per-gpu               (with a full run or --plan) also build the full-size
+#                                    checkpoint (published 11B layout, random weights, bf16,
+#                                    about 22 GB on disk) and time the batched engine's tick
+#                                    at 1, 2, 4, ... sessions (scripts/batch_bench.py): the
+#                                    most full-size sessions one GPU holds in real time.
 #
 # Results go to $GPU_CHECK_OUT (default artifacts/gpu-check): gpu-tests.log, bench.json,
-# bench.md. Environment: MLX_VERSION (default: the version tested here, below),
-# GPU_CHECK_VENV (default .venv-gpu), PYTHON (default python3 to create the venv;
-# --dry-run uses .venv/bin/python when present). See docs/performance.md, "GPU check".
+# bench.md, and with --sessions-per-gpu sessions-per-gpu.json / .log. Environment:
+# MLX_VERSION (default: the version tested here, below), GPU_CHECK_VENV (default .venv-gpu),
+# PYTHON (default python3 to create the venv; --dry-run uses .venv/bin/python when present),
+# GPU_CHECK_SESSIONS (the session counts of --sessions-per-gpu, default "1 2 4 8 16 32 64").
+# See docs/performance.md, "GPU check".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,14 +33,16 @@ VENV="${GPU_CHECK_VENV:-.venv-gpu}"
 OUT="${GPU_CHECK_OUT:-artifacts/gpu-check}"
 MODE=full
 BENCH=1
+SESSIONS_PER_GPU=0
 
 for arg in "$@"; do
   case "$arg" in
     --dry-run) MODE=dry ;;
     --plan) MODE=plan ;;
     --no-bench) BENCH=0 ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "gpu-check.sh: unknown option $arg (use --dry-run, --plan, --no-bench or --help)" >&2; exit 2 ;;
+    --sessions-per-gpu) SESSIONS_PER_GPU=1 ;;
+    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu-check.sh: unknown option $arg (use --dry-run, --plan, --no-bench, --sessions-per-gpu or --help)" >&2; exit 2 ;;
   esac
 done
 
@@ -41,6 +50,11 @@ run() {
   echo "+ $*"
   if [ "$MODE" != plan ]; then "$@"; fi
 }
+
+if [ "$MODE" = dry ] && [ "$SESSIONS_PER_GPU" = 1 ]; then
+  echo "gpu-check.sh: --sessions-per-gpu needs a GPU (a full run) or --plan" >&2
+  exit 2
+fi
 
 if [ "$MODE" = dry ]; then
   PY="${PYTHON:-}"
@@ -94,8 +108,27 @@ if [ "$BENCH" = 1 ]; then
     --repeats 2 --offline-model "$OUT/medium" --offline-seconds 4 16 \
     --json "$OUT/bench.json" --markdown "$OUT/bench.md"
 fi
+SESSIONS=0
+if [ "$SESSIONS_PER_GPU" = 1 ]; then
+  # The published layout at full size; batched ticks of 1, 2, 4, ... sessions, each count
+  # on its own; the GPU's events agree with solo runs within the gpu tests' rule, not bit
+  # for bit, so the solo comparison is left to those tests.
+  run "$PY" -m mlx_voicechat_plugin.demo build "$OUT/full" --preset full --overwrite
+  # shellcheck disable=SC2086
+  echo "+ $PY scripts/batch_bench.py --model $OUT/full --sessions ${GPU_CHECK_SESSIONS:-1 2 4 8 16 32 64} --frames 12 --warmup 3 --no-solo-check --json $OUT/sessions-per-gpu.json | tee $OUT/sessions-per-gpu.log"
+  if [ "$MODE" = full ]; then
+    # shellcheck disable=SC2086
+    "$PY" scripts/batch_bench.py --model "$OUT/full" --sessions ${GPU_CHECK_SESSIONS:-1 2 4 8 16 32 64} \
+      --frames 12 --warmup 3 --no-solo-check --json "$OUT/sessions-per-gpu.json" 2>&1 \
+      | tee "$OUT/sessions-per-gpu.log" || SESSIONS=$?
+  fi
+fi
 echo "[gpu-check] done; results in $OUT (record them in docs/performance.md)"
 if [ "$TESTS" != 0 ]; then
   echo "gpu-check.sh: the gpu tests failed (see $OUT/gpu-tests.log)" >&2
   exit "$TESTS"
+fi
+if [ "$SESSIONS" != 0 ]; then
+  echo "gpu-check.sh: the sessions-per-GPU benchmark failed (see $OUT/sessions-per-gpu.log)" >&2
+  exit "$SESSIONS"
 fi

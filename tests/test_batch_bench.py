@@ -53,3 +53,21 @@ def test_cli_classic_runs_share_the_tick_and_row_helpers(bench, tiny, tmp_path):
     assert "paired_tick_over_one_session" not in two
     assert two["host_syncs_per_tick"] == 2 and two["primitives_per_tick"] > one["primitives_per_tick"] > 0
     assert two["tick_median_ms"] > 0 and "memory_mb_per_extra_session" in two  # sign: allocator noise at this size
+
+
+def test_cli_no_solo_check_skips_the_comparison(bench, tiny, tmp_path, capsys):
+    """``--no-solo-check`` (the GPU check's sessions-per-GPU run): no solo runs, ``identical``
+    is null in the JSON, exit status 0; the real-time count is still reported."""
+    out = tmp_path / "bench.json"
+    calls = []
+    original = bench.solo_events
+    bench.solo_events = lambda *args: calls.append(args) or original(*args)
+    try:
+        assert bench.main(["--model", str(tiny), "--sessions", "1", "2", "--frames", "4", "--warmup", "2",
+                           "--no-solo-check", "--json", str(out)]) == 0
+    finally:
+        bench.solo_events = original
+    assert calls == []
+    result = json.loads(out.read_text())
+    assert result["identical"] is None and result["fits"] in (0, 1, 2)
+    assert "not compared with solo runs" in capsys.readouterr().out

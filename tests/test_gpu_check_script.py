@@ -69,3 +69,20 @@ def test_agreeing_prefix_counts_the_leading_equal_frames():
     assert agreeing_prefix([(1, 2), (3, 4)], [(1, 2), (3, 4)]) == 2
     assert agreeing_prefix([5], [6]) == 0
     assert agreeing_prefix([], [1]) == 0
+
+
+def test_sessions_per_gpu_plans_the_full_size_build_and_the_batched_bench():
+    completed = _run("--plan", "--sessions-per-gpu")
+    assert completed.returncode == 0, completed.stderr
+    plan = completed.stdout
+    assert "--preset full" in plan
+    bench = next(line for line in plan.splitlines() if "scripts/batch_bench.py" in line)
+    assert "--no-solo-check" in bench and "sessions-per-gpu.json" in bench
+    assert "--sessions 1 2 4 8 16 32 64" in bench
+    assert "--preset full" not in _run("--plan").stdout  # opt-in only
+
+
+def test_sessions_per_gpu_is_refused_in_a_dry_run():
+    completed = _run("--dry-run", "--sessions-per-gpu")
+    assert completed.returncode == 2
+    assert completed.stderr.strip().count("\n") == 0 and "needs a GPU" in completed.stderr
