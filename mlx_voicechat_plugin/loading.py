@@ -80,9 +80,13 @@ def load(model: str | Path, *, lazy: bool = False):
     Raises:
         CheckpointError: not a VoiceChat checkpoint directory.
         VoiceChatConfigError: the config is unsupported (see ``model.validation``).
+        EnvironmentSettingError: an ``MLX_VOICECHAT_*`` variable holds a value its reader
+            refuses (:func:`.environment.check`), before anything is read.
     """
+    from . import environment
     from .registration.shim import install
 
+    environment.check()
     install(force=True)
     path = resolve_checkpoint(model)
     from mlx_vlm.utils import load_model

@@ -17,8 +17,7 @@ switches the whole layer off.
 
 from __future__ import annotations
 
-import os
-
+from ..environment import flag
 from . import device
 
 #: Environment switch: ``0`` installs no acceleration layer.
@@ -27,7 +26,7 @@ ACCEL_ENV = "MLX_VOICECHAT_CPU_ACCEL"
 
 def enabled() -> bool:
     """False when ``MLX_VOICECHAT_CPU_ACCEL`` is ``0`` / ``false`` / ``no`` / ``off``."""
-    return os.environ.get(ACCEL_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return flag(ACCEL_ENV, True)
 
 
 def install(model) -> str | None:

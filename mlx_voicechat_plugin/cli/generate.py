@@ -184,7 +184,8 @@ def _inputs(args):
 
     Raises:
         UsageError: the input is missing or not usable audio, the output path is not a
-            writable ``.wav``, or ``--model`` is not a VoiceChat checkpoint.
+            writable ``.wav``, ``--model`` is not a VoiceChat checkpoint, or an
+            ``MLX_VOICECHAT_*`` variable holds a bad value (:func:`..environment.check`).
     """
     from ..runtime.audio_io import AudioInputError, check_wav_output_path
     from ..runtime.waveform import prepare_waveform
@@ -198,14 +199,21 @@ def _inputs(args):
         )
     except AudioInputError as error:
         raise UsageError(str(error)) from None
-    if args.model is None:
-        return waveform, output, None
-    from ..loading import CheckpointError, resolve_checkpoint
+    model_path = None
+    if args.model is not None:
+        from ..loading import CheckpointError, resolve_checkpoint
 
-    try:
-        return waveform, output, resolve_checkpoint(args.model)
-    except CheckpointError as error:
+        try:
+            model_path = resolve_checkpoint(args.model)
+        except CheckpointError as error:
+            raise UsageError(str(error)) from None
+    from .. import environment
+
+    try:  # after the arguments (it imports MLX), before the load
+        environment.check()
+    except environment.EnvironmentSettingError as error:
         raise UsageError(str(error)) from None
+    return waveform, output, model_path
 
 
 def _run(args) -> int:

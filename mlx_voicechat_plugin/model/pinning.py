@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import re
 from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
+
+from ..environment import flag
 
 PIN_ENV = "MLX_VOICECHAT_PIN_F32"
 _DEFERRED = contextvars.ContextVar("mlx_voicechat_pinning_deferred", default=False)
@@ -66,7 +67,7 @@ class PinningReport:
 
 def pinning_enabled() -> bool:
     """False when ``MLX_VOICECHAT_PIN_F32`` is set to 0/false/no/off (default: on)."""
-    return os.environ.get(PIN_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return flag(PIN_ENV, True)
 
 
 def is_pinned_parameter(path: str) -> bool:

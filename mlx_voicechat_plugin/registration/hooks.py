@@ -78,12 +78,14 @@ def hook_utils(module) -> None:
         # (peak memory: stored size + pinning cost, not + twice that; see model.pinning).
         import mlx.core as mx
 
+        from ..environment import check
         from ..model.pinning import deferred_pinning
 
         with deferred_pinning():
             model = original_load_model(model_path, True, **kwargs)
         finish = getattr(model, "finish_loading", None)
-        if finish is not None:
+        if finish is not None:  # ours (other model families load untouched)
+            check()  # a bad MLX_VOICECHAT_* value fails here, before a weight is evaluated
             finish()
         if not lazy:
             mx.eval(model.parameters())

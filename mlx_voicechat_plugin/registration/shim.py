@@ -17,6 +17,8 @@ import importlib.machinery
 import os
 import sys
 
+from ..environment import ON
+
 SHIM_DISABLE_ENV = "MLX_VOICECHAT_DISABLE_SHIM"
 
 
@@ -61,7 +63,10 @@ class PostImportFinder(importlib.abc.MetaPathFinder):
 
 def shim_enabled() -> bool:
     """False when ``MLX_VOICECHAT_DISABLE_SHIM`` is set to a true value."""
-    return os.environ.get(SHIM_DISABLE_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
+    # Read leniently (any other value: not disabled): this runs at interpreter start, where
+    # an exception would break every Python start; environment.check() reports a bad value
+    # at load.
+    return os.environ.get(SHIM_DISABLE_ENV, "").strip().lower() not in ON
 
 
 def install(*, force: bool = False) -> bool:

@@ -35,6 +35,8 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..environment import OFF, ON
+
 #: Environment switch: ``1`` on, ``0`` off, ``auto`` (default) on for GPU devices only.
 COMPILE_ENV = "MLX_VOICECHAT_COMPILE"
 
@@ -56,6 +58,23 @@ _MARK = "_compiled_blocks"  # set on a model once install() has run on it
 _switch = {"active": True}
 
 
+def requested_mode() -> bool | None:
+    """``MLX_VOICECHAT_COMPILE`` as set: True for ``1`` (or ``true`` / ``yes`` / ``on``),
+    False for ``0`` (or ``false`` / ``no`` / ``off``), None for ``auto``, empty or unset.
+
+    Raises:
+        ValueError: the variable holds another value.
+    """
+    value = os.environ.get(COMPILE_ENV, "auto").strip().lower()
+    if value in ON:
+        return True
+    if value in OFF:
+        return False
+    if value not in ("", "auto"):
+        raise ValueError(f"{COMPILE_ENV} must be 1, 0 or auto, got {value!r}")
+    return None
+
+
 def compile_requested(device: mx.Device | None = None) -> bool:
     """Whether compiled blocks should be used.
 
@@ -69,13 +88,9 @@ def compile_requested(device: mx.Device | None = None) -> bool:
     Raises:
         ValueError: the variable holds another value.
     """
-    value = os.environ.get(COMPILE_ENV, "auto").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value not in ("", "auto"):
-        raise ValueError(f"{COMPILE_ENV} must be 1, 0 or auto, got {value!r}")
+    mode = requested_mode()
+    if mode is not None:
+        return mode
     device = device or mx.default_device()
     return device.type == mx.DeviceType.gpu
 

@@ -208,13 +208,13 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
             print(f"error: {error}", file=sys.stderr)
             return EXIT_USAGE
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from ..runtime.batch.lanes import lane_stages
+    from .. import environment
     from .app import create_app
     from .engine import RealtimeEngine
 
-    try:  # checked before the load: a bad value would otherwise fail every batched tick
-        lane_stages()
-    except ValueError as error:
+    try:  # checked before the load: a bad value would otherwise fail every session or tick
+        environment.check()
+    except environment.EnvironmentSettingError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
 

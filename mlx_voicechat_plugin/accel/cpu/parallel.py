@@ -47,6 +47,7 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 
+from ...environment import flag
 from .native import linear, quantized_matmul
 
 #: Environment switch: ``0`` keeps every product on one stream.
@@ -66,7 +67,7 @@ _local = threading.local()
 
 def split_enabled() -> bool:
     """True unless ``MLX_VOICECHAT_CPU_SPLIT=0`` or the machine has one core."""
-    if os.environ.get(SPLIT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not flag(SPLIT_ENV, True):
         return False
     return (os.cpu_count() or 1) >= 2
 

@@ -26,6 +26,7 @@ import logging
 import os
 from collections.abc import Callable
 
+from ...environment import OFF, ON
 from ...model.execution import execution_of
 
 #: Environment switch: ``0`` runs every batched stage as one group of rows, ``1`` (the
@@ -50,9 +51,9 @@ def lane_stages() -> frozenset:
         ValueError: the variable names a stage that is not one of :data:`STAGES`.
     """
     value = os.environ.get(LANES_ENV, "1").strip().lower()
-    if value in ("0", "false", "no", "off"):
+    if value in OFF:
         return frozenset()
-    if value in ("", "1", "true", "yes", "on"):
+    if not value or value in ON:
         return LANE_STAGES
     names = frozenset(name.strip() for name in value.split(",") if name.strip())
     if not names:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ...environment import flag
+
 STAGES = ("perception", "rnnt", "language", "tts", "codec", "total")
 STAGES_ENV = "MLX_VOICECHAT_PROFILE_STAGES"
 FRAMES_ENV = "MLX_VOICECHAT_PROFILE_FRAMES"
@@ -157,7 +159,7 @@ class FrameClock:
 
 def sub_stages_requested() -> bool:
     """True when ``MLX_VOICECHAT_PROFILE_STAGES`` is set to a true value."""
-    return os.environ.get(STAGES_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return flag(STAGES_ENV, False)
 
 
 def frames_path() -> str | None:

@@ -57,11 +57,11 @@ the decision for its dtype and row regime (:func:`decisions`).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import mlx.core as mx
 
+from ....environment import flag
 from .calibration import key as _key
 
 #: Environment switch: ``0`` keeps MLX's own products everywhere.
@@ -74,7 +74,7 @@ _log = logging.getLogger(__name__)
 
 
 def _switched_off() -> bool:
-    return os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+    return not flag(NATIVE_ENV, True)
 
 
 def _self_test(module) -> None:

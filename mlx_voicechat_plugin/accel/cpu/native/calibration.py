@@ -33,6 +33,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ....environment import flag
+
 #: Environment switch: ``0`` skips the self-measurement (every kernel family on).
 MEASURE_ENV = "MLX_VOICECHAT_NATIVE_MEASURE"
 #: A kernel family stays on when its median time is at most this fraction of MLX's.
@@ -92,7 +94,7 @@ class Decision:
 
 def measuring_enabled() -> bool:
     """False when :data:`MEASURE_ENV` is ``0`` / ``false`` / ``no`` / ``off``."""
-    return os.environ.get(MEASURE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return flag(MEASURE_ENV, True)
 
 
 def _block(function: Callable[[], mx.array], calls: int) -> float:
