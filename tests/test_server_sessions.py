@@ -117,6 +117,7 @@ def test_slots_health_ready_and_busy(multi, clips):
         with multi.connect() as extra:
             events, code = extra.until_closed(timeout=20)
         assert [(e["type"], e["error"]["code"]) for e in events] == [("error", "server_busy")]
+        assert events[0]["error"]["message"] == f"all {SLOTS} realtime session slots are in use; try again later"
         assert code == 1013
         assert _metric(multi, 'voicechat_rejected_connections_total{reason="server_busy"}') == busy_before + 1
         assert _metric(multi, "voicechat_sessions_active") == SLOTS

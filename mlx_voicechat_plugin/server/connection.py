@@ -52,6 +52,13 @@ CANCEL_TYPES = frozenset({"session.cancel", "response.cancel"})
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_AGAIN = 1000, 1008, 1013
 
 
+def busy_message(slots: int) -> str:
+    """The ``server_busy`` error's message for a server of ``slots`` session slots."""
+    if slots == 1:
+        return "another realtime session is active; try again later"
+    return f"all {slots} realtime session slots are in use; try again later"
+
+
 class _Disconnected(Exception):
     pass
 
@@ -148,6 +155,7 @@ class Connection:
                 frame = await self.websocket.receive()
                 if frame["type"] == "websocket.disconnect":
                     self.gone = True
+                    self.engine.mark_leaving(self.session_id)  # a new connection may wait for the slot
                     break
                 self.last_message_at = time.monotonic()
                 text, data = frame.get("text"), frame.get("bytes")
@@ -176,6 +184,7 @@ class Connection:
                 await self._enqueue(("message", text), samples, held_bytes(text))
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.gone = True
+            self.engine.mark_leaving(self.session_id)
         await self._enqueue(("disconnect", None))
 
     def _note_read(self, message: dict) -> None:
@@ -224,9 +233,9 @@ class Connection:
     # ------------------------------------------------------------------ main loop
     async def run(self) -> None:
         """Serve the connection until commit, cancel, timeout or disconnect."""
-        if not self.engine.try_reserve(self.session_id):
+        if not await self.engine.reserve(self.session_id):
             try:
-                await self.send_error(SERVER_BUSY, "another realtime session is active; try again later")
+                await self.send_error(SERVER_BUSY, busy_message(self.engine.max_sessions))
             except _Disconnected:
                 return
             await self.close(CLOSE_TRY_AGAIN)
@@ -267,6 +276,7 @@ class Connection:
         finally:
             reader.cancel()
             if self.configured and not self.finished:
+                self.engine.mark_leaving(self.session_id)
                 await self.engine.call("close", self.session_id)
             self.engine.release(self.session_id)
 

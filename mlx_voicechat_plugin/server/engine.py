@@ -37,6 +37,13 @@ from .protocol import (
     serialize_event,
 )
 
+#: Longest time (s) a new connection waits for the slot of a session whose client has
+#: already gone (:meth:`RealtimeEngine.reserve`): its close is one engine command, behind at
+#: most the tick under way.
+RELEASE_WAIT_SECONDS = 2.0
+#: How often (s) such a waiting connection looks again.
+RELEASE_POLL_SECONDS = 0.005
+
 logger = logging.getLogger("mlx_voicechat_plugin.server")
 
 
@@ -94,6 +101,7 @@ class RealtimeEngine:
         self._commands: queue.Queue[_Command | None] = queue.Queue()
         self._slot_lock = threading.Lock()
         self._reserved: set[str] = set()
+        self._leaving: set[str] = set()  # reserved, client gone, slot being given back
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="voicechat-engine", daemon=True)
@@ -129,20 +137,49 @@ class RealtimeEngine:
         return self._thread.is_alive() and self._ready.is_set() and self._load_error is None
 
     # -------------------------------------------------------------- session slots
-    def try_reserve(self, session_id: str) -> bool:
-        """Take a session slot; False (counted as ``server_busy``) when all are held."""
-        with self._slot_lock:
-            if len(self._reserved) >= self.max_sessions:
+    async def reserve(self, session_id: str, wait: float = RELEASE_WAIT_SECONDS) -> bool:
+        """Take a session slot (False, counted as ``server_busy``, when all are held), except
+        that while every slot is held and some holder's client has already gone (:meth:`mark_leaving`: its session is
+        being closed, one engine command away from :meth:`release`), it waits for that slot,
+        at most ``wait`` seconds (spec: after a disconnect "the next connection is then
+        admitted normally"; the client's close handshake completes before the server has
+        cancelled the session). With no holder leaving the answer is immediate.
+
+        Returns:
+            True with the slot taken; False (counted as ``server_busy``) when none is free.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            taken, leaving = self._take(session_id)
+            if taken:
+                return True
+            if not leaving or loop.time() >= deadline:
                 self.metrics.reject("server_busy")
                 return False
+            await asyncio.sleep(RELEASE_POLL_SECONDS)
+
+    def _take(self, session_id: str) -> tuple[bool, bool]:
+        """(slot taken, some holder leaving)."""
+        with self._slot_lock:
+            if len(self._reserved) >= self.max_sessions:
+                return False, bool(self._leaving)
             self._reserved.add(session_id)
             self.metrics.sessions_active.set(len(self._reserved))
-            return True
+            return True, False
+
+    def mark_leaving(self, session_id: str) -> None:
+        """Note that ``session_id``'s client has gone: its slot is about to be released
+        (:meth:`reserve` waits for it rather than answering ``server_busy``)."""
+        with self._slot_lock:
+            if session_id in self._reserved:
+                self._leaving.add(session_id)
 
     def release(self, session_id: str) -> None:
         """Give the slot back (no-op unless ``session_id`` holds one)."""
         with self._slot_lock:
             self._reserved.discard(session_id)
+            self._leaving.discard(session_id)
             self.metrics.sessions_active.set(len(self._reserved))
 
     @property

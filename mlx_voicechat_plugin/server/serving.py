@@ -3,8 +3,9 @@
 :func:`build_server` turns :class:`~.settings.ServerSettings` into a ``uvicorn.Config``
 (uvicorn's own limits where it has them: ``ws_max_size``, ``ws_max_queue``,
 ``h11_max_incomplete_event_size``, ``timeout_keep_alive``, ``limit_concurrency``,
-``timeout_graceful_shutdown``; the rest through :mod:`.transport_guards`) and a
-:class:`VoiceChatServer` that records which signal stopped it.
+``timeout_graceful_shutdown``; the rest through :mod:`.transport_guards`; WebSocket
+compression off, see there) and a :class:`VoiceChatServer` that records which signal
+stopped it.
 
 Signals: SIGINT (Ctrl-C) and SIGTERM both shut down gracefully -- every open WebSocket
 gets close code 1001 (going away), sockets that do not close within
@@ -96,6 +97,13 @@ def build_server(app, settings: ServerSettings, *, host: str = "127.0.0.1", port
         ws=ws,
         ws_max_size=settings.max_message_bytes,
         ws_max_queue=settings.max_queued_messages,
+        # No permessage-deflate: uvicorn inflates and queues every message of one socket
+        # read (up to 256 KiB, ~1,000x that inflated) before its queue limit pauses the
+        # reading, so ~1 KB compressed frames that inflate to 1 MiB each stalled the event
+        # loop and every other session's frames for seconds and left the heap ~2 GB larger.
+        # Compression is an optional extension (RFC 7692): clients that offer it get plain
+        # frames.
+        ws_per_message_deflate=False,
         ws_ping_interval=20.0,
         ws_ping_timeout=20.0,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
