@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -546,3 +547,39 @@ def test_console_script_help_lists_the_commands(capsys):
     for command in ("generate", "serve", "demo"):
         assert f"\n  {command} " in out
     assert main([]) == 2
+
+
+@pytest.mark.parametrize("model", ["mlx-community/NemotronLabs-VoiceChat-11B-4bit", "/nonexistent/dir"])
+def test_mlx_vlm_generate_with_our_options_and_a_missing_model_gets_our_error(model, monkeypatch, tmp_path):
+    """A checkpoint not downloaded (or a mistyped path) with this package's options used to
+    reach mlx-vlm's own CLI: 59 lines of its usage, "unrecognized arguments: --output-audio".
+    The options route the command here, whose error names the checkpoint."""
+    from mlx_voicechat_plugin.registration.shim import install
+
+    install(force=True)
+    dispatch = importlib.import_module("mlx_vlm.generate.dispatch")
+    monkeypatch.setattr(sys, "argv", ["mlx_vlm.generate", "--model", model, "--audio", str(SPEECH_WAV),
+                                      f"--output-audio={tmp_path / 'r.wav'}", "-p", "Be concise."])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with pytest.raises(SystemExit) as caught:
+            dispatch.main()
+    assert caught.value.code == 2
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {model}: no such checkpoint directory"), err.getvalue()
+    assert not (tmp_path / "r.wav").exists()
+
+
+def test_generate_only_options_are_ours_alone():
+    """Each routed option is one our parser takes and mlx-vlm's does not (read from its
+    ``--help`` with the shim off): routing never takes a command mlx-vlm could run."""
+    from mlx_voicechat_plugin.cli.generate import build_parser
+    from mlx_voicechat_plugin.registration.hooks import GENERATE_ONLY_OPTIONS
+
+    ours = {option for action in build_parser()._actions for option in action.option_strings}
+    completed = subprocess.run([sys.executable, "-m", "mlx_vlm.generate", "--help"], capture_output=True, text=True,
+                               env={**_subprocess_env(), "MLX_VOICECHAT_DISABLE_SHIM": "1"}, timeout=120)
+    assert completed.returncode == 0 and "--max-tokens" in completed.stdout, completed.stderr
+    for option in GENERATE_ONLY_OPTIONS:
+        assert option in ours, option
+        assert re.search(rf"(^|[\s,\[]){re.escape(option)}([\s=,\]]|$)", completed.stdout, re.M) is None, option

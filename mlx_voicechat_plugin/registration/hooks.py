@@ -110,6 +110,16 @@ def _refuse_chat_module() -> None:
         _refuse_chat()
 
 
+#: ``generate`` options that only this package's CLI defines (mlx-vlm's own parser rejects
+#: them): a command using one is meant for VoiceChat even when ``--model`` does not resolve
+#: (not downloaded, mistyped), so our CLI answers with its one-line checkpoint error rather
+#: than mlx-vlm's usage text ending in "unrecognized arguments: --output-audio".
+GENERATE_ONLY_OPTIONS = frozenset({
+    "--output-audio", "--stream", "--profile", "--max-streaming-seconds", "--progress",
+    "--extra-decoding-seconds", "--no-language-cache",
+})
+
+
 def _cli_target_is_voicechat(argv: list[str]) -> bool:
     from ..checkpoint import is_voicechat_checkpoint, model_argument
 
@@ -117,14 +127,19 @@ def _cli_target_is_voicechat(argv: list[str]) -> bool:
     return model is not None and is_voicechat_checkpoint(model)
 
 
+def _uses_generate_only_options(argv: list[str]) -> bool:
+    return any(arg.split("=", 1)[0] in GENERATE_ONLY_OPTIONS for arg in argv)
+
+
 @_once
 def hook_generate(module) -> None:
-    """Route ``python -m mlx_vlm.generate --model <voicechat>`` to our CLI."""
+    """Route ``python -m mlx_vlm.generate --model <voicechat>`` (or any command using one
+    of :data:`GENERATE_ONLY_OPTIONS`) to our CLI."""
     original = module.main
 
     @functools.wraps(original)
     def main():
-        if _cli_target_is_voicechat(sys.argv[1:]):
+        if _uses_generate_only_options(sys.argv[1:]) or _cli_target_is_voicechat(sys.argv[1:]):
             from ..cli.generate import main as voicechat_main
 
             raise SystemExit(voicechat_main(sys.argv[1:], prog="python -m mlx_vlm.generate"))
