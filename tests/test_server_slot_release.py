@@ -20,19 +20,15 @@ import pytest
 
 from mlx_voicechat_plugin.server.engine import RealtimeEngine
 
-from .test_server_support import FRAME, ServerHandle, append, quantized, server_settings
+from .test_server_support import FRAME, append, quantized
 
 CLOSE_DELAY = 0.4  # seconds the engine takes to close a session in these tests
 
 
-@pytest.fixture(scope="module")
-def slow_close(tiny):
-    """A 1-slot server whose engine takes CLOSE_DELAY seconds for every ``close`` command
-    (the window in which the old slot is still held after the client's close)."""
-    from mlx_voicechat_plugin.loading import load
-
-    engine = RealtimeEngine(lambda: load(tiny))
-    engine.start(timeout=120)
+@pytest.fixture
+def slow_close(server, engine, monkeypatch):
+    """The shared 1-slot server, its engine taking CLOSE_DELAY seconds for every ``close``
+    command (the window in which the old slot is still held after the client's close)."""
     original = engine._execute
 
     def execute(command):
@@ -40,10 +36,9 @@ def slow_close(tiny):
             time.sleep(CLOSE_DELAY)
         return original(command)
 
-    engine._execute = execute
-    with ServerHandle(server_settings(tiny), engine) as handle:
-        yield handle
-    engine.stop()
+    monkeypatch.setattr(engine, "_execute", execute)
+    yield server
+    server.wait_slot_free()
 
 
 def test_reconnecting_right_after_a_client_close_is_admitted(slow_close, speech_16k):
