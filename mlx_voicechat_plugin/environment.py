@@ -64,8 +64,14 @@ def _parse(name: str, raw: str | None, default: bool) -> bool:
     if value in OFF:
         return False
     raise EnvironmentSettingError(
-        f"{name}={raw!r}: expected 1, true, yes or on (on) or 0, false, no or off (off)"
+        f"{name}={shown(raw)}: expected 1, true, yes or on (on) or 0, false, no or off (off)"
     )
+
+
+def shown(value: str, limit: int = 64) -> str:
+    """``repr(value)`` for an error message, cut to about ``limit`` characters (a value can
+    be arbitrarily long)."""
+    return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value):,} characters)"
 
 
 def check() -> None:
@@ -89,4 +95,5 @@ def check() -> None:
         try:
             reader()
         except ValueError as error:
-            raise EnvironmentSettingError(str(error)) from None
+            message = str(error)
+            raise EnvironmentSettingError(message if len(message) <= 400 else message[:400] + "...") from None

@@ -583,3 +583,22 @@ def test_generate_only_options_are_ours_alone():
     for option in GENERATE_ONLY_OPTIONS:
         assert option in ours, option
         assert re.search(rf"(^|[\s,\[]){re.escape(option)}([\s=,\]]|$)", completed.stdout, re.M) is None, option
+
+
+def test_mlx_vlm_generate_with_our_options_and_another_model_family_stays_with_mlx_vlm(tmp_path, monkeypatch):
+    """A checkpoint of another family (here a Qwen2-VL config) goes to mlx-vlm's own CLI even
+    with our options: our CLI would describe it as a speech model."""
+    from mlx_voicechat_plugin.registration.shim import install
+
+    other = tmp_path / "qwen"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "qwen2_vl"}')
+    install(force=True)
+    dispatch = importlib.import_module("mlx_vlm.generate.dispatch")
+    monkeypatch.setattr(sys, "argv", ["mlx_vlm.generate", "--model", str(other), "--prompt", "hi", "--stream"])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with pytest.raises(SystemExit) as caught:
+            dispatch.main()
+    assert caught.value.code == 2
+    assert "unrecognized arguments: --stream" in err.getvalue() and "--audio is required" not in err.getvalue()

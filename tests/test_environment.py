@@ -156,3 +156,15 @@ def test_serve_exits_2_before_loading(tiny, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert code == 2, err
     assert "error: MLX_VOICECHAT_NATIVE='nope'" in err and err.count("\n") <= 2 and not loads
+
+
+def test_a_very_long_value_is_cut_in_the_message(monkeypatch):
+    monkeypatch.setenv("MLX_VOICECHAT_CPU_SPLIT", "x" * 100_000)
+    with pytest.raises(EnvironmentSettingError) as caught:
+        flag("MLX_VOICECHAT_CPU_SPLIT", True)
+    assert len(str(caught.value)) < 300 and "100,000 characters" in str(caught.value)
+    monkeypatch.delenv("MLX_VOICECHAT_CPU_SPLIT")
+    monkeypatch.setenv("MLX_VOICECHAT_BATCH_LANES", "y" * 100_000)
+    with pytest.raises(EnvironmentSettingError) as caught:
+        check()
+    assert len(str(caught.value)) < 500

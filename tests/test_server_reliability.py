@@ -137,22 +137,25 @@ def test_a_ping_flood_during_an_append_is_throttled_not_buffered(tiny, engine):
 
 def test_unread_websocket_pings_do_not_grow_the_write_buffer(tiny, engine):
     """Protocol-level pings from a client that never reads: pongs are dropped once the
-    socket's write buffer passes PONG_BACKLOG_BYTES (uvicorn queued every one)."""
+    socket's write buffer passes PONG_BACKLOG_BYTES (uvicorn queued every one), and a flood
+    of them closes the connection (1008, the control-frame limit) with the slot released."""
     with _handle(tiny, engine, sndbuf=4096) as server:
         raw = _raw(server, rcvbuf=4096)
         assert raw.recv_json()["type"] == "session.created"
         payload = b"p" * 120
-        for _ in range(20000):  # 2.4 MB of pongs if every one were queued
-            raw.send_frame(0x9, payload)
-        time.sleep(0.5)
+        try:
+            for _ in range(20000):  # 2.4 MB of pongs if every one were queued
+                raw.send_frame(0x9, payload)
+        except OSError:
+            pass  # closed by the limit while flooding
         sizes = [
             protocol.transport.get_write_buffer_size()
             for protocol in server.server.server_state.connections
-            if hasattr(protocol, "handle_ping")
+            if hasattr(protocol, "handle_ping") and protocol.transport is not None
         ]
-        raw.reset()
+        assert raw.close_code() in (1008, None)  # None: the reset beat the close frame
         server.wait_slot_free(timeout=30)
-    assert sizes and max(sizes) <= PONG_BACKLOG_BYTES + 200, sizes
+    assert max(sizes, default=0) <= PONG_BACKLOG_BYTES + 200, sizes
 
 
 # ---------------------------------------------------------------------- HTTP level

@@ -391,9 +391,10 @@ class RawClient:
     def send_text(self, text: str) -> None:
         self.send_frame(0x1, text.encode())
 
-    def send_frame(self, opcode: int, payload: bytes) -> None:
-        """One final, masked frame (0x1 text, 0x9 ping, ...)."""
-        header = bytes([0x80 | opcode])
+    def send_frame(self, opcode: int, payload: bytes, fin: bool = True) -> None:
+        """One masked frame (0x1 text, 0x0 continuation, 0x9 ping, ...), final unless ``fin``
+        is False."""
+        header = bytes([(0x80 if fin else 0) | opcode])
         mask_bit = 0x80
         if len(payload) < 126:
             header += bytes([mask_bit | len(payload)])
@@ -428,6 +429,26 @@ class RawClient:
         event = json.loads(payload)
         check_event(event)
         return event
+
+    def close_code(self, timeout: float = 20.0) -> int | None:
+        """Read (and drop) frames until the server's close frame; its code, or None when the
+        connection ends without one."""
+        self.sock.settimeout(timeout)
+        try:
+            while True:
+                first, second = self._read(2)
+                length = second & 0x7F
+                if length == 126:
+                    (length,) = struct.unpack("!H", self._read(2))
+                elif length == 127:
+                    (length,) = struct.unpack("!Q", self._read(8))
+                payload = self._read(length)
+                if first & 0x0F == 0x8:
+                    return struct.unpack("!H", payload[:2])[0] if len(payload) >= 2 else None
+        except TimeoutError:
+            raise AssertionError(f"the server neither closed nor reset the connection within {timeout} s") from None
+        except (ConnectionError, OSError):  # reset, or closed without a close frame
+            return None
 
     def reset(self) -> None:
         """Close with RST (SO_LINGER 0): no close frame, no FIN handshake."""

@@ -111,9 +111,10 @@ def _refuse_chat_module() -> None:
 
 
 #: ``generate`` options that only this package's CLI defines (mlx-vlm's own parser rejects
-#: them): a command using one is meant for VoiceChat even when ``--model`` does not resolve
-#: (not downloaded, mistyped), so our CLI answers with its one-line checkpoint error rather
-#: than mlx-vlm's usage text ending in "unrecognized arguments: --output-audio".
+#: them): a command using one whose ``--model`` does not resolve (not downloaded, mistyped)
+#: is meant for VoiceChat, so our CLI answers with its one-line checkpoint error rather than
+#: mlx-vlm's usage text ending in "unrecognized arguments: --output-audio". A ``--model``
+#: that resolves to another model family always goes to mlx-vlm.
 GENERATE_ONLY_OPTIONS = frozenset({
     "--output-audio", "--stream", "--profile", "--max-streaming-seconds", "--progress",
     "--extra-decoding-seconds", "--no-language-cache",
@@ -127,19 +128,26 @@ def _cli_target_is_voicechat(argv: list[str]) -> bool:
     return model is not None and is_voicechat_checkpoint(model)
 
 
-def _uses_generate_only_options(argv: list[str]) -> bool:
-    return any(arg.split("=", 1)[0] in GENERATE_ONLY_OPTIONS for arg in argv)
+def _unresolved_with_our_options(argv: list[str]) -> bool:
+    """``argv`` uses one of :data:`GENERATE_ONLY_OPTIONS` and its ``--model`` names no
+    checkpoint that can be found (locally or in the Hugging Face cache)."""
+    from ..checkpoint import find_config, model_argument
+
+    if not any(arg.split("=", 1)[0] in GENERATE_ONLY_OPTIONS for arg in argv):
+        return False
+    model = model_argument(argv)
+    return model is None or find_config(model) is None
 
 
 @_once
 def hook_generate(module) -> None:
-    """Route ``python -m mlx_vlm.generate --model <voicechat>`` (or any command using one
-    of :data:`GENERATE_ONLY_OPTIONS`) to our CLI."""
+    """Route ``python -m mlx_vlm.generate --model <voicechat>`` (or a command using one of
+    :data:`GENERATE_ONLY_OPTIONS` whose ``--model`` does not resolve) to our CLI."""
     original = module.main
 
     @functools.wraps(original)
     def main():
-        if _uses_generate_only_options(sys.argv[1:]) or _cli_target_is_voicechat(sys.argv[1:]):
+        if _cli_target_is_voicechat(sys.argv[1:]) or _unresolved_with_our_options(sys.argv[1:]):
             from ..cli.generate import main as voicechat_main
 
             raise SystemExit(voicechat_main(sys.argv[1:], prog="python -m mlx_vlm.generate"))

@@ -240,6 +240,9 @@ class Connection:
                 return
             await self.close(CLOSE_TRY_AGAIN)
             return
+        extension = (self.websocket.scope.get("extensions") or {}).get(ABORT_EXTENSION) or {}
+        if "on_lost" in extension:  # the socket may go while the reader waits on a full inbox
+            extension["on_lost"](lambda: self.engine.mark_leaving(self.session_id))
         reader = asyncio.create_task(self._reader())
         try:
             await self.send(self.greeting())

@@ -43,6 +43,10 @@ from .protocol import (
 RELEASE_WAIT_SECONDS = 2.0
 #: How often (s) such a waiting connection looks again.
 RELEASE_POLL_SECONDS = 0.005
+#: How long (s) a connection that finds every slot held, none of them leaving, waits for
+#: one to start leaving before it gets ``server_busy`` (a vanished client is seen at the
+#: server's next event to it, within a tick).
+BUSY_GRACE_SECONDS = 0.25
 
 logger = logging.getLogger("mlx_voicechat_plugin.server")
 
@@ -143,18 +147,24 @@ class RealtimeEngine:
         being closed, one engine command away from :meth:`release`), it waits for that slot,
         at most ``wait`` seconds (spec: after a disconnect "the next connection is then
         admitted normally"; the client's close handshake completes before the server has
-        cancelled the session). With no holder leaving the answer is immediate.
+        cancelled the session). A holder is leaving once its connection has seen the
+        disconnect (:meth:`mark_leaving`: the reader, the transport's connection-lost
+        callback, or the handler's failed send); with none leaving, ``server_busy`` comes
+        after :data:`BUSY_GRACE_SECONDS` (a client that closed right after flooding audio
+        has its FIN queued behind data the server has not read: it is seen to be gone when
+        the server's next event to it, within a tick, is answered with a reset).
 
         Returns:
             True with the slot taken; False (counted as ``server_busy``) when none is free.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait
+        start = loop.time()
         while True:
             taken, leaving = self._take(session_id)
             if taken:
                 return True
-            if not leaving or loop.time() >= deadline:
+            elapsed = loop.time() - start
+            if elapsed >= wait or (not leaving and elapsed >= min(wait, BUSY_GRACE_SECONDS)):
                 self.metrics.reject("server_busy")
                 return False
             await asyncio.sleep(RELEASE_POLL_SECONDS)

@@ -34,7 +34,11 @@ what it leaves open:
   ``Content-Length`` over :data:`MAX_REQUEST_BODY_BYTES` is answered ``413`` without reading
   it, and a connection whose request was answered before its body arrived is closed (uvicorn
   kept it open while the body trickled in, one byte per keep-alive interval, forever).
-* :class:`GuardedWebSocketProtocol` -- a **bounded pong backlog**: a client that sends
+* :class:`GuardedWebSocketProtocol` -- **frame limits**: at most
+  :data:`MAX_FRAGMENTS_PER_MESSAGE` frames per message and a token bucket of control frames
+  (:data:`CONTROL_FRAME_BURST`, :data:`CONTROL_FRAMES_PER_SECOND`), received data parsed
+  :data:`PARSE_CHUNK_BYTES` at a time: a client sending empty continuation frames, pings or
+  unsolicited pongs is closed (1009 / 1008) instead of holding the event loop. A **bounded pong backlog**: a client that sends
   pings but never reads made uvicorn queue one pong per ping in the socket's write buffer;
   of the pings read at once only the latest is answered (RFC 6455 section 5.5.3 allows
   it), and none while that buffer holds more than :data:`PONG_BACKLOG_BYTES`. **Shutdown** sends close
@@ -70,8 +74,26 @@ CLOSE_GRACE_SECONDS = 2.0
 #: Close code sent to every open WebSocket when the server shuts down (RFC 6455 "going away").
 CLOSE_GOING_AWAY = 1001
 #: ASGI scope extension: ``scope["extensions"][ABORT_EXTENSION]["abort"]()`` drops the TCP
-#: connection at once (no close handshake, unsent data discarded).
+#: connection at once (no close handshake, unsent data discarded), and
+#: ``...["on_lost"](callback)`` has ``callback()`` called (in the event loop) when the TCP
+#: connection is gone, whatever the application is doing then.
 ABORT_EXTENSION = "mlx_voicechat.transport.abort"
+#: Most frames one message may arrive in (its first frame and its continuation frames): a
+#: message fragmented further is refused (1009). Empty continuation frames add nothing to the
+#: message size and uvicorn pauses reading only when a message is complete, so without this
+#: a client could make the event loop parse frames forever (another session's frames were
+#: 10-33 s late). Clients fragment rarely, and into pieces of kilobytes.
+MAX_FRAGMENTS_PER_MESSAGE = 1024
+#: Control frames (ping, pong) a client may send: a burst of this many, then
+#: :data:`CONTROL_FRAMES_PER_SECOND` on average; more is refused (1008). A keep-alive pings
+#: every few seconds; a flood of pings or unsolicited pongs held the event loop for seconds.
+CONTROL_FRAME_BURST = 64
+CONTROL_FRAMES_PER_SECOND = 16.0
+#: Bytes of received data handed to the WebSocket parser at a time, so that the frame
+#: limits stop a flood within a few thousand frames rather than a whole 256 KiB read.
+PARSE_CHUNK_BYTES = 16 * 1024
+#: Close codes of those refusals (RFC 6455: message too big, policy violation).
+CLOSE_TOO_BIG, CLOSE_POLICY = 1009, 1008
 
 #: Logger of eviction notes (rate-limited by :mod:`.log_limit`, like uvicorn's own).
 _LOG = logging.getLogger("uvicorn.error")
@@ -284,6 +306,11 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     awaiting: collections.OrderedDict = collections.OrderedDict()
     _probe_only = False  # eviction-queue attributes shared with GuardedH11Protocol
     _partial = True
+    _refused = False  # a frame limit was passed: the rest of the input is ignored
+    _fragments = 0  # frames of the message being received
+    _lost_callbacks: list | None = None
+    _control_tokens: float = CONTROL_FRAME_BURST
+    _control_at: float | None = None
 
     def _disarm_head_deadline(self) -> None:
         self.awaiting.pop(self, None)
@@ -293,12 +320,92 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         if self not in self.connections:  # evicted: already discarded, uvicorn removes it again
             self.connections.add(self)
         super().connection_lost(exc)
+        for callback in self._lost_callbacks or ():
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - a callback never breaks the transport
+                _LOG.exception("connection-lost callback failed")
+        self._lost_callbacks = None
 
     def handle_connect(self, event) -> None:
         super().handle_connect(event)
         scope = getattr(self, "scope", None)
         if scope is not None:  # the task that reads the scope has not started yet
-            scope["extensions"][ABORT_EXTENSION] = {"abort": self.abort}
+            self._lost_callbacks = []
+            scope["extensions"][ABORT_EXTENSION] = {"abort": self.abort, "on_lost": self._lost_callbacks.append}
+
+
+    # ----------------------------------------------------------- frame limits
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if len(data) <= PARSE_CHUNK_BYTES:
+            super().data_received(data)
+            return
+        view = memoryview(data)
+        for start in range(0, len(data), PARSE_CHUNK_BYTES):
+            if self._refused or self.transport is None or self.transport.is_closing():
+                return
+            super().data_received(bytes(view[start : start + PARSE_CHUNK_BYTES]))
+
+    def _refuse(self, code: int, reason: str) -> None:
+        """Close the connection for a frame limit: the close frame is sent, nothing more is
+        read, and the socket is aborted after :data:`CLOSE_GRACE_SECONDS`."""
+        if self._refused:
+            return
+        self._refused = True
+        _LOG.warning("closing a WebSocket connection: %s", reason)
+        if self.transport is None or self.transport.is_closing():
+            return
+        if not self.close_sent:
+            self.close_sent = True
+            self.queue.put_nowait({"type": "websocket.disconnect", "code": code})
+            self.conn.send_close(code, reason)
+            self.transport.write(b"".join(self.conn.data_to_send()))
+        self.transport.close()
+        self.loop.call_later(CLOSE_GRACE_SECONDS, self.abort)
+
+    def _count_fragment(self) -> bool:
+        if self._refused:
+            return False
+        self._fragments += 1
+        if self._fragments > MAX_FRAGMENTS_PER_MESSAGE:
+            self._refuse(CLOSE_TOO_BIG, f"a message in more than {MAX_FRAGMENTS_PER_MESSAGE} frames")
+            return False
+        return True
+
+    def _take_control_token(self) -> bool:
+        if self._refused:
+            return False
+        now = self.loop.time()
+        if self._control_at is not None:
+            self._control_tokens = min(
+                CONTROL_FRAME_BURST, self._control_tokens + (now - self._control_at) * CONTROL_FRAMES_PER_SECOND
+            )
+        self._control_at = now
+        if self._control_tokens < 1.0:
+            self._refuse(CLOSE_POLICY, f"more than {CONTROL_FRAMES_PER_SECOND:g} control frames a second")
+            return False
+        self._control_tokens -= 1.0
+        return True
+
+    def handle_text(self, event) -> None:
+        self._fragments = 0
+        if self._count_fragment():
+            super().handle_text(event)
+
+    def handle_bytes(self, event) -> None:
+        self._fragments = 0
+        if self._count_fragment():
+            super().handle_bytes(event)
+
+    def handle_cont(self, event) -> None:
+        if self._count_fragment():
+            super().handle_cont(event)
+
+    def handle_pong(self, event) -> None:
+        if self._take_control_token():
+            super().handle_pong(event)
 
     def abort(self) -> None:
         """Drop the TCP connection now (the app gives up on a peer that does not read)."""
@@ -309,6 +416,8 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         # websockets queued one pong per ping of the bytes just received; only the last
         # is sent (RFC 6455 section 5.5.3), and none while the backlog is over the limit.
         frames = self.conn.data_to_send()
+        if not self._take_control_token():
+            return
         if frames and self.transport.get_write_buffer_size() <= PONG_BACKLOG_BYTES:
             self.transport.write(frames[-1])
 
