@@ -6,10 +6,15 @@ are untouched (hostile review: a 1 KB/s client delayed every other session by 10
 from __future__ import annotations
 
 import json
+import os
 import time
+
+import numpy as np
 
 from mlx_voicechat_plugin.server.transport_guards import (
     CONTROL_FRAME_BURST,
+    FRAME_BURST,
+    FRAMES_PER_SECOND,
     MAX_FRAGMENTS_PER_MESSAGE,
 )
 
@@ -91,3 +96,71 @@ def test_fragmented_messages_and_keepalive_pings_are_served(server):
     raw.send_text(json.dumps({"type": "session.cancel"}))
     assert raw.close_code() == 1000
     server.wait_slot_free(timeout=30)
+
+
+def test_a_large_append_in_small_fragments_is_served(server, speech_16k):
+    """Fine fragmentation with real payload is allowed (one frame more per 256 bytes): a
+    ~0.9 MB append in 512-byte fragments (about 1,800 frames) is read like any other."""
+    from .test_server_support import pcm16_b64, quantized
+
+    raw = _raw(server)
+    audio = pcm16_b64(quantized(np.tile(speech_16k, 11)[: 16000 * 21]))  # 21 s of audio
+    text = json.dumps({"type": "input_audio_buffer.append", "audio": audio}).encode()
+    assert 800_000 < len(text) < 1024 * 1024
+    pieces = [text[i : i + 512] for i in range(0, len(text), 512)]
+    assert len(pieces) > MAX_FRAGMENTS_PER_MESSAGE
+    for index, piece in enumerate(pieces):
+        raw.send_frame(0x1 if index == 0 else 0x0, piece, fin=index == len(pieces) - 1)
+    raw.sock.settimeout(120)
+    assert raw.recv_json()["type"] in {"response.audio.delta", "response.text.delta",
+                                                 "conversation.item.input_audio_transcription.delta",
+                                                 "response.function.delta"}
+    raw.reset()
+    server.wait_slot_free(timeout=60)
+
+
+def _ping_burst(count: int) -> bytes:
+    """``count`` session.ping messages of MAX_FRAGMENTS_PER_MESSAGE frames each."""
+    ping = json.dumps({"type": "session.ping"}).encode()
+    frames = [ping] + [b""] * (MAX_FRAGMENTS_PER_MESSAGE - 1)
+    message = b"".join(_frame(0x1 if i == 0 else 0x0, piece, fin=i == len(frames) - 1) for i, piece in enumerate(frames))
+    return message * count
+
+
+def test_messages_of_many_frames_back_to_back_are_each_answered(server):
+    """Session.ping messages of 1,024 frames each in one write, within the frame burst:
+    every one answered, in order, the connection kept (parsed one message at a time)."""
+    raw = _raw(server)
+    count = FRAME_BURST // MAX_FRAGMENTS_PER_MESSAGE - 1
+    raw.sock.sendall(_ping_burst(count))
+    for _ in range(count):
+        assert raw.recv_json()["type"] == "session.pong"
+    raw.send_text(json.dumps({"type": "session.cancel"}))
+    assert raw.close_code() == 1000
+    server.wait_slot_free(timeout=30)
+
+
+def test_frames_beyond_the_burst_are_throttled_not_refused(server):
+    """Past FRAME_BURST frames a connection is read at FRAMES_PER_SECOND: 4,096 frames more
+    than the burst take about 4 s to be answered, and all are answered."""
+    raw = _raw(server)
+    count = (FRAME_BURST + 4096) // MAX_FRAGMENTS_PER_MESSAGE
+    started = time.monotonic()
+    raw.sock.sendall(_ping_burst(count))
+    raw.sock.settimeout(30)
+    for _ in range(count):
+        assert raw.recv_json()["type"] == "session.pong"
+    elapsed = time.monotonic() - started
+    assert elapsed >= 0.5 * (count * MAX_FRAGMENTS_PER_MESSAGE - FRAME_BURST) / FRAMES_PER_SECOND, elapsed
+    raw.send_text(json.dumps({"type": "session.cancel"}))
+    assert raw.close_code() == 1000
+    server.wait_slot_free(timeout=30)
+
+
+def _frame(opcode: int, payload: bytes, fin: bool) -> bytes:
+    """One masked client frame (payloads under 126 bytes)."""
+    assert len(payload) < 126
+    mask = os.urandom(4)
+    return bytes([(0x80 if fin else 0) | opcode, 0x80 | len(payload)]) + mask + bytes(
+        b ^ mask[i % 4] for i, b in enumerate(payload)
+    )

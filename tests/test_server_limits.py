@@ -97,6 +97,11 @@ def _send_racing_the_close(client, message) -> None:
 )
 @pytest.mark.parametrize("configured", [False, True], ids=["unconfigured", "configured"])
 def test_message_over_1_mib_is_refused_with_1009(default, compression, shape, configured):
+    """The server negotiates no compression, so an offered ``deflate`` changes nothing on
+    the wire: a single frame over the limit is refused from its header while the client may
+    still be writing it, and the kernel's reset can then discard the 1009 close frame (as in
+    :func:`test_single_uncompressed_frame_over_1_mib_ends_the_connection`); fragments are
+    refused once their sum passes the limit, after the client has written them."""
     with default.connect(compression=compression) as client:
         if configured:
             client.configure()
@@ -106,7 +111,7 @@ def test_message_over_1_mib_is_refused_with_1009(default, compression, shape, co
         client.recv_type("session.pong")
         _send_racing_the_close(client, _oversized("text", shape))
         events, code = client.until_closed()
-    assert events == [] and code == 1009
+    assert events == [] and code in ((1009, None) if shape == "frame" else (1009,))
     default.wait_slot_free()
 
 

@@ -35,10 +35,14 @@ what it leaves open:
   it, and a connection whose request was answered before its body arrived is closed (uvicorn
   kept it open while the body trickled in, one byte per keep-alive interval, forever).
 * :class:`GuardedWebSocketProtocol` -- **frame limits**: at most
-  :data:`MAX_FRAGMENTS_PER_MESSAGE` frames per message and a token bucket of control frames
+  :data:`MAX_FRAGMENTS_PER_MESSAGE` frames per message (plus one per
+  :data:`FRAGMENT_BYTES` of its payload) and a token bucket of control frames
   (:data:`CONTROL_FRAME_BURST`, :data:`CONTROL_FRAMES_PER_SECOND`), received data parsed
-  :data:`PARSE_CHUNK_BYTES` at a time: a client sending empty continuation frames, pings or
-  unsolicited pongs is closed (1009 / 1008) instead of holding the event loop. A **bounded pong backlog**: a client that sends
+  :data:`PARSE_CHUNK_BYTES` at a time and not at all while reading is paused (a message
+  waits for the application), and a throttle of :data:`FRAMES_PER_SECOND` frames after a
+  :data:`FRAME_BURST`: a client sending empty continuation frames, pings or unsolicited
+  pongs is closed (1009 / 1008), and one sending many small-frame messages is slowed down to
+  that rate, instead of holding the event loop. A **bounded pong backlog**: a client that sends
   pings but never reads made uvicorn queue one pong per ping in the socket's write buffer;
   of the pings read at once only the latest is answered (RFC 6455 section 5.5.3 allows
   it), and none while that buffer holds more than :data:`PONG_BACKLOG_BYTES`. **Shutdown** sends close
@@ -78,20 +82,33 @@ CLOSE_GOING_AWAY = 1001
 #: ``...["on_lost"](callback)`` has ``callback()`` called (in the event loop) when the TCP
 #: connection is gone, whatever the application is doing then.
 ABORT_EXTENSION = "mlx_voicechat.transport.abort"
-#: Most frames one message may arrive in (its first frame and its continuation frames): a
-#: message fragmented further is refused (1009). Empty continuation frames add nothing to the
-#: message size and uvicorn pauses reading only when a message is complete, so without this
-#: a client could make the event loop parse frames forever (another session's frames were
-#: 10-33 s late). Clients fragment rarely, and into pieces of kilobytes.
+#: Frames one message may arrive in (its first frame and its continuation frames): this
+#: many, plus one per :data:`FRAGMENT_BYTES` of payload received so far; a message fragmented
+#: further is refused (1009). Empty continuation frames add nothing to the message size and
+#: uvicorn pauses reading only when a message is complete, so without this a client could
+#: make the event loop parse frames forever (another session's frames were 10-33 s late).
+#: Clients fragment rarely, and into pieces of hundreds of bytes at least (a 1 MiB message
+#: in 512-byte fragments: 2,048 frames, allowed 5,120).
 MAX_FRAGMENTS_PER_MESSAGE = 1024
+FRAGMENT_BYTES = 256
 #: Control frames (ping, pong) a client may send: a burst of this many, then
 #: :data:`CONTROL_FRAMES_PER_SECOND` on average; more is refused (1008). A keep-alive pings
 #: every few seconds; a flood of pings or unsolicited pongs held the event loop for seconds.
 CONTROL_FRAME_BURST = 64
 CONTROL_FRAMES_PER_SECOND = 16.0
-#: Bytes of received data handed to the WebSocket parser at a time, so that the frame
-#: limits stop a flood within a few thousand frames rather than a whole 256 KiB read.
+#: Bytes of received data handed to the WebSocket parser at a time: the frame limits stop a
+#: flood within a few thousand frames rather than a whole 256 KiB read, and once a message is
+#: complete (uvicorn pauses reading until the application takes it) the rest of the read waits
+#: with it, so one read cannot queue dozens of messages parsed in one go (a client sending
+#: 1,024-frame messages back to back made other sessions' frames seconds late).
 PARSE_CHUNK_BYTES = 16 * 1024
+#: Frames of any kind a connection is parsed at: a burst of :data:`FRAME_BURST`, then
+#: :data:`FRAMES_PER_SECOND` on average; beyond, reading pauses until the budget refills (a
+#: throttle, not a refusal). A realtime client sends about 13 frames a second; one sending
+#: messages of a thousand tiny frames back to back made other sessions' frames 0.15-1.6 s late
+#: even with the messages parsed one at a time.
+FRAME_BURST = 8192
+FRAMES_PER_SECOND = 1024.0
 #: Close codes of those refusals (RFC 6455: message too big, policy violation).
 CLOSE_TOO_BIG, CLOSE_POLICY = 1009, 1008
 
@@ -308,6 +325,11 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     _partial = True
     _refused = False  # a frame limit was passed: the rest of the input is ignored
     _fragments = 0  # frames of the message being received
+    _message_bytes = 0  # and their payload bytes
+    _unparsed = b""  # received, not yet handed to the parser (reading paused)
+    _throttled = False  # reading paused by the frame-rate throttle
+    _frame_tokens: float = FRAME_BURST
+    _frames_at: float | None = None
     _lost_callbacks: list | None = None
     _control_tokens: float = CONTROL_FRAME_BURST
     _control_at: float | None = None
@@ -320,6 +342,7 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         if self not in self.connections:  # evicted: already discarded, uvicorn removes it again
             self.connections.add(self)
         super().connection_lost(exc)
+        self._unparsed = b""
         for callback in self._lost_callbacks or ():
             try:
                 callback()
@@ -339,14 +362,53 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        if len(data) <= PARSE_CHUNK_BYTES:
-            super().data_received(data)
+        self._unparsed = self._unparsed + data if self._unparsed else data
+        if self._throttled:  # uvicorn may have resumed reading meanwhile
+            self.transport.pause_reading()
             return
-        view = memoryview(data)
-        for start in range(0, len(data), PARSE_CHUNK_BYTES):
-            if self._refused or self.transport is None or self.transport.is_closing():
+        self._parse_unparsed()
+
+    def _parse_unparsed(self) -> None:
+        """Hand received data to the parser :data:`PARSE_CHUNK_BYTES` at a time while
+        reading is not paused (by uvicorn for a message the application has not taken, or by
+        the frame-rate throttle); what is left waits (at most one socket read: the transport
+        reads nothing more while paused)."""
+        while self._unparsed and not self.read_paused and not self._throttled and not self._refused:
+            if self.transport is None or self.transport.is_closing():
+                self._unparsed = b""
                 return
-            super().data_received(bytes(view[start : start + PARSE_CHUNK_BYTES]))
+            if self._frame_budget() < 0:
+                self._throttle()
+                return
+            chunk, self._unparsed = self._unparsed[:PARSE_CHUNK_BYTES], self._unparsed[PARSE_CHUNK_BYTES:]
+            super().data_received(chunk)
+
+    def _frame_budget(self) -> float:
+        """The frame tokens left (negative: frames parsed ahead of the rate), refilled."""
+        now = self.loop.time()
+        if self._frames_at is not None:
+            self._frame_tokens = min(FRAME_BURST, self._frame_tokens + (now - self._frames_at) * FRAMES_PER_SECOND)
+        self._frames_at = now
+        return self._frame_tokens
+
+    def _throttle(self) -> None:
+        self._throttled = True
+        self.transport.pause_reading()
+        self.loop.call_later((1.0 - self._frame_tokens) / FRAMES_PER_SECOND, self._unthrottle)
+
+    def _unthrottle(self) -> None:
+        self._throttled = False
+        if self.transport is None or self.transport.is_closing() or self._refused:
+            return
+        if not self.read_paused:
+            self.transport.resume_reading()
+        self._parse_unparsed()
+
+    async def receive(self):
+        message = await super().receive()
+        if self._unparsed and not self.read_paused:  # the application took the queued message
+            self.loop.call_soon(self._parse_unparsed)
+        return message
 
     def _refuse(self, code: int, reason: str) -> None:
         """Close the connection for a frame limit: the close frame is sent, nothing more is
@@ -365,18 +427,21 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self.transport.close()
         self.loop.call_later(CLOSE_GRACE_SECONDS, self.abort)
 
-    def _count_fragment(self) -> bool:
+    def _count_fragment(self, payload_bytes: int) -> bool:
         if self._refused:
             return False
+        self._frame_tokens -= 1.0
         self._fragments += 1
-        if self._fragments > MAX_FRAGMENTS_PER_MESSAGE:
-            self._refuse(CLOSE_TOO_BIG, f"a message in more than {MAX_FRAGMENTS_PER_MESSAGE} frames")
+        self._message_bytes += payload_bytes
+        if self._fragments > MAX_FRAGMENTS_PER_MESSAGE + self._message_bytes // FRAGMENT_BYTES:
+            self._refuse(CLOSE_TOO_BIG, f"a message in {self._fragments} frames of {self._message_bytes} bytes")
             return False
         return True
 
     def _take_control_token(self) -> bool:
         if self._refused:
             return False
+        self._frame_tokens -= 1.0
         now = self.loop.time()
         if self._control_at is not None:
             self._control_tokens = min(
@@ -390,17 +455,17 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         return True
 
     def handle_text(self, event) -> None:
-        self._fragments = 0
-        if self._count_fragment():
+        self._fragments = self._message_bytes = 0
+        if self._count_fragment(len(event.data)):
             super().handle_text(event)
 
     def handle_bytes(self, event) -> None:
-        self._fragments = 0
-        if self._count_fragment():
+        self._fragments = self._message_bytes = 0
+        if self._count_fragment(len(event.data)):
             super().handle_bytes(event)
 
     def handle_cont(self, event) -> None:
-        if self._count_fragment():
+        if self._count_fragment(len(event.data)):
             super().handle_cont(event)
 
     def handle_pong(self, event) -> None:
@@ -442,6 +507,8 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
             # refusal (wsproto's marks it done; uvicorn pull request 3138).
             self.handshake_complete = True
         if message.get("type") == "websocket.close":
+            if self._unparsed and not self.read_paused:  # uvicorn resumed reading for the reply
+                self.loop.call_soon(self._parse_unparsed)
             if self.transport is not None and not self.transport.is_closing():
                 self.awaiting[self] = None  # only the peer's close reply is awaited
             # uvicorn waits close_timeout (10 s) for the peer's close frame, then closes,
