@@ -64,7 +64,7 @@ def _parse(name: str, raw: str | None, default: bool) -> bool:
     if value in OFF:
         return False
     raise EnvironmentSettingError(
-        f"{name}={shown(raw)}: expected 1, true, yes or on (on) or 0, false, no or off (off)"
+        f"{name}={shown(raw)}: expected 1, true, yes or on to switch it on, or 0, false, no or off to switch it off"
     )
 
 

@@ -142,7 +142,7 @@ def test_generate_exits_2_with_one_line_before_loading(tiny, monkeypatch, capsys
     code = generate.main(["--model", str(tiny), "--audio", str(audio), "--output-audio", str(tmp_path / "a.wav")])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert err.strip() == "error: MLX_VOICECHAT_CPU_SPLIT='garbage': expected 1, true, yes or on (on) or 0, false, no or off (off)"
+    assert err.strip() == "error: MLX_VOICECHAT_CPU_SPLIT='garbage': expected 1, true, yes or on to switch it on, or 0, false, no or off to switch it off"
     assert not loads and not (tmp_path / "a.wav").exists()
 
 
