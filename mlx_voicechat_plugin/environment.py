@@ -74,6 +74,12 @@ def shown(value: str, limit: int = 64) -> str:
     return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value):,} characters)"
 
 
+def cut(text: str, limit: int = 64) -> str:
+    """``text`` for an error message, cut to about ``limit`` characters (as :func:`shown`,
+    without the quotes)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 def check() -> None:
     """Check every ``MLX_VOICECHAT_*`` setting the environment holds now: the on/off
     :data:`SWITCHES`, ``MLX_VOICECHAT_COMPILE`` (``1`` / ``0`` / ``auto``) and
@@ -95,5 +101,4 @@ def check() -> None:
         try:
             reader()
         except ValueError as error:
-            message = str(error)
-            raise EnvironmentSettingError(message if len(message) <= 400 else message[:400] + "...") from None
+            raise EnvironmentSettingError(str(error)) from None

@@ -35,7 +35,7 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..environment import OFF, ON
+from ..environment import OFF, ON, shown
 
 #: Environment switch: ``1`` on, ``0`` off, ``auto`` (default) on for GPU devices only.
 COMPILE_ENV = "MLX_VOICECHAT_COMPILE"
@@ -71,7 +71,7 @@ def requested_mode() -> bool | None:
     if value in OFF:
         return False
     if value not in ("", "auto"):
-        raise ValueError(f"{COMPILE_ENV} must be 1, 0 or auto, got {value!r}")
+        raise ValueError(f"{COMPILE_ENV} must be 1, 0 or auto, got {shown(value)}")
     return None
 
 

@@ -142,17 +142,17 @@ class RealtimeEngine:
 
     # -------------------------------------------------------------- session slots
     async def reserve(self, session_id: str, wait: float = RELEASE_WAIT_SECONDS) -> bool:
-        """Take a session slot (False, counted as ``server_busy``, when all are held), except
-        that while every slot is held and some holder's client has already gone (:meth:`mark_leaving`: its session is
-        being closed, one engine command away from :meth:`release`), it waits for that slot,
-        at most ``wait`` seconds (spec: after a disconnect "the next connection is then
-        admitted normally"; the client's close handshake completes before the server has
-        cancelled the session). A holder is leaving once its connection has seen the
-        disconnect (:meth:`mark_leaving`: the reader, the transport's connection-lost
-        callback, or the handler's failed send); with none leaving, ``server_busy`` comes
-        after :data:`BUSY_GRACE_SECONDS` (a client that closed right after flooding audio
-        has its FIN queued behind data the server has not read: it is seen to be gone when
-        the server's next event to it, within a tick, is answered with a reset).
+        """Take a session slot; when every slot is held, wait for one whose client has gone.
+
+        A holder is *leaving* once its connection has seen its client go (:meth:`mark_leaving`:
+        the reader's disconnect, the transport's connection-lost callback, the handler's
+        failed send); its slot is then one engine command away from :meth:`release`. While
+        some holder is leaving this waits for a slot, at most ``wait`` seconds (spec: after a
+        disconnect "the next connection is then admitted normally", but the client's close
+        handshake completes before the server has cancelled the session); with none leaving
+        it answers ``server_busy`` after :data:`BUSY_GRACE_SECONDS` (a client that closed right
+        after flooding audio has its FIN queued behind data the server has not read: it is
+        seen to be gone when the server's next event to it, within a tick, meets a reset).
 
         Returns:
             True with the slot taken; False (counted as ``server_busy``) when none is free.

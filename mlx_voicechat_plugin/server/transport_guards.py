@@ -112,6 +112,21 @@ FRAMES_PER_SECOND = 1024.0
 #: Close codes of those refusals (RFC 6455: message too big, policy violation).
 CLOSE_TOO_BIG, CLOSE_POLICY = 1009, 1008
 
+class _TokenBucket:
+    """``burst`` tokens, refilled at ``rate`` a second (seconds from ``loop.time()``)."""
+
+    def __init__(self, burst: float, rate: float):
+        self.burst, self.rate = burst, rate
+        self.tokens, self.at = float(burst), None
+
+    def level(self, now: float) -> float:
+        """The tokens left at ``now`` (negative: spent ahead of the rate)."""
+        if self.at is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        return self.tokens
+
+
 #: Logger of eviction notes (rate-limited by :mod:`.log_limit`, like uvicorn's own).
 _LOG = logging.getLogger("uvicorn.error")
 
@@ -328,11 +343,9 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     _message_bytes = 0  # and their payload bytes
     _unparsed = b""  # received, not yet handed to the parser (reading paused)
     _throttled = False  # reading paused by the frame-rate throttle
-    _frame_tokens: float = FRAME_BURST
-    _frames_at: float | None = None
+    _frames: _TokenBucket | None = None  # frames of any kind (made on first use)
+    _controls: _TokenBucket | None = None  # control frames
     _lost_callbacks: list | None = None
-    _control_tokens: float = CONTROL_FRAME_BURST
-    _control_at: float | None = None
 
     def _disarm_head_deadline(self) -> None:
         self.awaiting.pop(self, None)
@@ -357,7 +370,6 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
             self._lost_callbacks = []
             scope["extensions"][ABORT_EXTENSION] = {"abort": self.abort, "on_lost": self._lost_callbacks.append}
 
-
     # ----------------------------------------------------------- frame limits
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -377,24 +389,21 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
             if self.transport is None or self.transport.is_closing():
                 self._unparsed = b""
                 return
-            if self._frame_budget() < 0:
+            if self._frame_bucket().level(self.loop.time()) < 0:
                 self._throttle()
                 return
             chunk, self._unparsed = self._unparsed[:PARSE_CHUNK_BYTES], self._unparsed[PARSE_CHUNK_BYTES:]
             super().data_received(chunk)
 
-    def _frame_budget(self) -> float:
-        """The frame tokens left (negative: frames parsed ahead of the rate), refilled."""
-        now = self.loop.time()
-        if self._frames_at is not None:
-            self._frame_tokens = min(FRAME_BURST, self._frame_tokens + (now - self._frames_at) * FRAMES_PER_SECOND)
-        self._frames_at = now
-        return self._frame_tokens
+    def _frame_bucket(self) -> _TokenBucket:
+        if self._frames is None:
+            self._frames = _TokenBucket(FRAME_BURST, FRAMES_PER_SECOND)
+        return self._frames
 
     def _throttle(self) -> None:
         self._throttled = True
         self.transport.pause_reading()
-        self.loop.call_later((1.0 - self._frame_tokens) / FRAMES_PER_SECOND, self._unthrottle)
+        self.loop.call_later((1.0 - self._frames.tokens) / FRAMES_PER_SECOND, self._unthrottle)
 
     def _unthrottle(self) -> None:
         self._throttled = False
@@ -430,7 +439,7 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     def _count_fragment(self, payload_bytes: int) -> bool:
         if self._refused:
             return False
-        self._frame_tokens -= 1.0
+        self._frame_bucket().tokens -= 1.0
         self._fragments += 1
         self._message_bytes += payload_bytes
         if self._fragments > MAX_FRAGMENTS_PER_MESSAGE + self._message_bytes // FRAGMENT_BYTES:
@@ -441,17 +450,13 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
     def _take_control_token(self) -> bool:
         if self._refused:
             return False
-        self._frame_tokens -= 1.0
-        now = self.loop.time()
-        if self._control_at is not None:
-            self._control_tokens = min(
-                CONTROL_FRAME_BURST, self._control_tokens + (now - self._control_at) * CONTROL_FRAMES_PER_SECOND
-            )
-        self._control_at = now
-        if self._control_tokens < 1.0:
+        self._frame_bucket().tokens -= 1.0
+        if self._controls is None:
+            self._controls = _TokenBucket(CONTROL_FRAME_BURST, CONTROL_FRAMES_PER_SECOND)
+        if self._controls.level(self.loop.time()) < 1.0:
             self._refuse(CLOSE_POLICY, f"more than {CONTROL_FRAMES_PER_SECOND:g} control frames a second")
             return False
-        self._control_tokens -= 1.0
+        self._controls.tokens -= 1.0
         return True
 
     def handle_text(self, event) -> None:

@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from ...environment import OFF, ON
+from ...environment import OFF, ON, cut, shown
 from ...model.execution import execution_of
 
 #: Environment switch: ``0`` runs every batched stage as one group of rows, ``1`` (the
@@ -57,11 +57,11 @@ def lane_stages() -> frozenset:
         return LANE_STAGES
     names = frozenset(name.strip() for name in value.split(",") if name.strip())
     if not names:
-        raise ValueError(f"{LANES_ENV}: {value!r} names no stage; use 0, 1 or some of {', '.join(sorted(STAGES))}")
+        raise ValueError(f"{LANES_ENV}: {shown(value)} names no stage; use 0, 1 or some of {', '.join(sorted(STAGES))}")
     unknown = sorted(names - STAGES)
     if unknown:
         raise ValueError(
-            f"{LANES_ENV}: unknown stage(s) {', '.join(unknown)}; use 0, 1 or some of {', '.join(sorted(STAGES))}"
+            f"{LANES_ENV}: unknown stage(s) {cut(', '.join(unknown))}; use 0, 1 or some of {', '.join(sorted(STAGES))}"
         )
     return names
 
