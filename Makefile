@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench wheel-smoke clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# Build the sdist + wheel, install the wheel into a fresh venv and run the README's commands
+# from outside the checkout (scripts/wheel_smoke.sh; about 3 minutes, most of it pip).
+wheel-smoke: $(STAMP)
+	PYTHON=$(BIN)/python scripts/wheel_smoke.sh
 
 bench: $(STAMP)
 	$(BIN)/python -m mlx_voicechat_plugin.bench --presets small medium --bits bf16 4 --repeats 3 \

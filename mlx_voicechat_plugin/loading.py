@@ -82,10 +82,14 @@ def load(model: str | Path, *, lazy: bool = False):
         VoiceChatConfigError: the config is unsupported (see ``model.validation``).
         EnvironmentSettingError: an ``MLX_VOICECHAT_*`` variable holds a value its reader
             refuses (:func:`.environment.check`), before anything is read.
+        UnsupportedVersionError: the installed mlx-vlm or mlx-audio is outside the
+            supported range (:mod:`.versions`), before either is imported.
     """
     from . import environment
     from .registration.shim import install
+    from .versions import require
 
+    require()
     environment.check()
     install(force=True)
     path = resolve_checkpoint(model)

@@ -1,4 +1,4 @@
-"""Benchmark the batched multi-session engine (issue #14): tick time versus sessions.
+"""Benchmark the batched multi-session engine: tick time versus sessions.
 
     .venv/bin/python scripts/batch_bench.py [--model CKPT | --preset medium] [--sessions 1 2 4 8]
         [--frames 24] [--warmup 4] [--repeats 1] [--interleave] [--no-solo-check] [--json out.json]

@@ -1,4 +1,4 @@
-"""Measurements at full size (issue #13; results in docs/performance.md "Full size").
+"""Measurements at full size (results in docs/performance.md "Full size").
 
 Build the checkpoint first (random weights, the published configuration):
 

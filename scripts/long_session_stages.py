@@ -1,5 +1,5 @@
-"""Per-stage frame times over one long streamed session (issue #12 soak, "report the
-growth of EAR-TTS attention"); not part of the timed test suite.
+"""Per-stage frame times over one long streamed session (how EAR-TTS
+attention grows with the session's length); not part of the timed test suite.
 
 Runs one :class:`~mlx_voicechat_plugin.runtime.streaming.StreamingSession` directly (no
 server) with ``profile=True`` and prints, for every minute of audio, the median stage

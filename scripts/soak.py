@@ -1,4 +1,4 @@
-"""Soak runs for the realtime server (issue #12); not part of the timed test suite.
+"""Soak runs for the realtime server; not part of the timed test suite.
 
     .venv/bin/python scripts/soak.py long --preset medium --seconds 600
     .venv/bin/python scripts/soak.py sessions --preset tiny --count 50

@@ -1,4 +1,4 @@
-"""Input length caps without whole-file decoding (issue #12): the length is checked from
+"""Input length caps without whole-file decoding: the length is checked from
 the header first, and decoding runs in blocks that enforce the cap as they go, in the
 offline CLI (20 minutes) and the file client (600 s)."""
 

@@ -1,4 +1,4 @@
-"""Banded offline encoder attention (issue #13): the same outputs as upstream's dense
+"""Banded offline encoder attention: the same outputs as upstream's dense
 ``chunked_limited`` encoder (within 1e-6), with memory linear in the input length."""
 
 from __future__ import annotations

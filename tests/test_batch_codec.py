@@ -1,4 +1,4 @@
-"""The batched codec decode (issue #14): a stable group's stacked cache persists across
+"""The batched codec decode: a stable group's stacked cache persists across
 ticks, and every session's audio and cache stay bit-identical to its solo ``decode_step``
 while sessions join, sit out, leave, are cancelled or reorder."""
 

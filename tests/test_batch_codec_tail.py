@@ -1,4 +1,4 @@
-"""The CPU layer's codec tail (issue #14): the spectrum by table lookups and the inverse
+"""The CPU layer's codec tail: the spectrum by table lookups and the inverse
 STFT's overlap-add as shifted sums give upstream ``decode_latents``'s bits, streamed (one
 or several rows, flush included) and offline, bfloat16 and float32; the ConvNeXt norm with
 one shared mean gives upstream ``ChannelLayerNorm``'s bits; the product weights are held

@@ -1,4 +1,4 @@
-"""The batched multi-session engine (issue #14): isolation, lifecycle, limits, errors.
+"""The batched multi-session engine: isolation, lifecycle, limits, errors.
 
 Isolation is the acceptance criterion: every session's events, stepped in batches with
 sessions that join at different frames and run for different lengths, equal the same

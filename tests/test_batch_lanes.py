@@ -1,4 +1,4 @@
-"""Lanes (issue #14): a batched tick's encoder, EAR-TTS and codec rows in two groups, each
+"""Lanes: a batched tick's encoder, EAR-TTS and codec rows in two groups, each
 built on its own CPU stream, still give every session its solo events, synchronise with
 the host as often as one lane does, and are used only on a CPU model with two cores."""
 

@@ -1,4 +1,4 @@
-"""float32 activations against bfloat16/float16 weights in the native product (issue #14).
+"""float32 activations against bfloat16/float16 weights in the native product.
 
 The language model's fused input is float32 (the perception projection is pinned to f32)
 and its weights stay as stored (bf16), so every Nemotron-H product is a mixed one: MLX

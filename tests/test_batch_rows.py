@@ -1,4 +1,4 @@
-"""The batched engine's per-row stages (issue #14): RNNT decode, noise draws and padded
+"""The batched engine's per-row stages: RNNT decode, noise draws and padded
 attention over many sessions at once, each row bit-identical to its session's own call,
 and a batched tick that issues about as many operations and host syncs as a solo frame."""
 

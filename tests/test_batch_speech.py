@@ -1,5 +1,5 @@
 """Batched attention rows (``runtime/batch/rows.py`` ``attend_sessions``, used by the
-EAR-TTS and language-model steps, issue #14): each session's rows bit-identical to its own
+EAR-TTS and language-model steps): each session's rows bit-identical to its own
 call, whichever way the step is computed."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The batched perception's trimmed subsampling (``runtime/batch/perception.py``,
-issue #14): only the kept rows computed, bit-identical to slicing the full output."""
+"""The batched perception's trimmed subsampling (``runtime/batch/perception.py``):
+only the kept rows computed, bit-identical to slicing the full output."""
 
 from __future__ import annotations
 

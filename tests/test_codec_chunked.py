@@ -1,4 +1,4 @@
-"""Codec decode of an offline turn in windows of code frames (issue #13): the same samples
+"""Codec decode of an offline turn in windows of code frames: the same samples
 as upstream's whole-sequence decode on the same codes, with one window's memory."""
 
 from __future__ import annotations

@@ -192,12 +192,33 @@ def test_build_command_writes_checkpoint_and_prints_its_path(tmp_path, checkpoin
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == str(out)
+    # stderr says what is built (preset, form, size, where) before the build, then how it went.
+    lines = done.stderr.strip().splitlines()
+    assert lines[0] == f"building the tiny demo checkpoint (random weights, bf16, about 5 MB, seed 0) in {out} ..."
+    assert re.fullmatch(r"built in \d+\.\d s, \d+ MB on disk", lines[-1]), lines
     assert _config(out)["model_type"] == "nemotron_voicechat"
     assert (out / "rnnt_tokenizer" / "tokenizer.model").is_file()
     # Default seed 0: the same bytes as the session's tiny checkpoint built through the API.
     assert _shards(out) == _shards(checkpoint("tiny"))
     # No staging directory is left next to it.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+
+
+def test_the_size_announced_before_a_build_matches_the_build(checkpoint):
+    from mlx_voicechat_plugin.demo.__main__ import APPROXIMATE_BF16_BYTES, PRESETS
+
+    assert set(APPROXIMATE_BF16_BYTES) == set(PRESETS)
+    stored = sum(entry.stat().st_size for entry in checkpoint("tiny").rglob("*") if entry.is_file())
+    assert 0.8 < stored / APPROXIMATE_BF16_BYTES["tiny"] < 1.25, stored
+
+
+def test_speech_command_prints_the_bundled_question(capsys):
+    from mlx_voicechat_plugin.demo import sample_speech
+
+    assert demo_main(["speech"]) == 0
+    printed = Path(capsys.readouterr().out.strip())
+    assert printed == sample_speech() and printed.name == "question.wav"
+    assert printed.read_bytes() == (Path(__file__).parent / "data" / "question.wav").read_bytes()
 
 
 def test_build_command_refuses_existing_output_with_one_line_error(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""docs/deploy.md's HAProxy configuration, run for real (issue #14): two server processes
+"""docs/deploy.md's HAProxy configuration, run for real: two server processes
 with two slots each behind HAProxy on loopback; more conversations than one server has
 slots, at once, all answered exactly as alone. Skips without the ``haproxy`` binary."""
 

@@ -1,4 +1,4 @@
-"""Issue #12 leftovers: a ``session.cancel`` / ``response.cancel`` sent behind a full inbox
+"""A ``session.cancel`` / ``response.cancel`` sent behind a full inbox
 waited until the handler had processed (through the model) every append queued before it
 could even be read. Spec: cancel drops pending audio and closes with Cancelled. Now the
 reader reads appends ahead up to the session's audio budget, so the cancel is seen at once,

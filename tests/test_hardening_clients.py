@@ -1,4 +1,4 @@
-"""Issue #12 leftovers: the microphone client kept every received audio delta in memory
+"""The microphone client kept every received audio delta in memory
 (``TurnState.audio``), unbounded for a live session of unknown length. It now plays them
 and writes them to ``--output-audio`` as they arrive, keeping only counters."""
 

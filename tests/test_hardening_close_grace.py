@@ -1,4 +1,4 @@
-"""Hostile review finding 3: a WebSocket the server closed (``server_busy`` + 1013) whose
+"""A WebSocket the server closed (``server_busy`` + 1013) whose
 client has the close frame in its socket buffer but never answers it kept its socket, and
 its connection slot, for uvicorn's 10 s ``close_timeout``; the 2 s abort fired only while
 bytes were still unsent. docs/protocol.md: after a close frame the socket is dropped within

@@ -1,5 +1,5 @@
-"""``server.inbox.Inbox``: appends bounded by audio, everything else by count (issue #12
-leftovers: a cancel behind a full inbox; see test_hardening_cancel for the server)."""
+"""``server.inbox.Inbox``: appends bounded by audio, everything else by count (a
+cancel behind a full inbox; see test_hardening_cancel for the server)."""
 
 from __future__ import annotations
 

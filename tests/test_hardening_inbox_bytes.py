@@ -1,4 +1,4 @@
-"""Hostile review finding 1: the inbox bounds what a connection holds by bytes, not only by
+"""The inbox bounds what a connection holds by bytes, not only by
 the audio its appends claim (an append with a 4-character ``audio`` and 100 KB of junk in
 another field counted as 80 ms, so 600 s of "audio" could park gigabytes)."""
 

@@ -1,4 +1,4 @@
-"""Issue #12 leftovers: half-sent request heads (slowloris) filled every connection slot,
+"""Half-sent request heads (slowloris) filled every connection slot,
 the probe headroom included, until ``--header-timeout``; load-balancer probes got 503
 meanwhile. Now a connection arriving at a full cap evicts the one that has waited longest
 for its request (``transport_guards`` "Eviction"). Each test fails without it."""

@@ -1,4 +1,4 @@
-"""Issue #12 leftovers: SIGTERM while ``serve`` starts ended through the default action
+"""SIGTERM while ``serve`` starts ended through the default action
 (``returncode`` -15, no message) instead of exiting 143 like the running server; Ctrl-C
 there gives 130. Each test fails without ``runtime.process_exit.raise_on_sigterm``."""
 

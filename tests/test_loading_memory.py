@@ -1,4 +1,4 @@
-"""Loading details at real layout (issue #13): peak memory during load is the stored size
+"""Loading details at real layout: peak memory during load is the stored size
 plus the pinning cost (the bf16 sources are released as their f32 copies are made), and
 quantized checkpoints with group sizes 32/64/128 load and compute like upstream."""
 

@@ -303,7 +303,7 @@ def test_rvq_encode_row_blocks_are_bit_identical(kernels):
 def test_rvq_encode_leaves_zero_width_latents_and_bad_top_p_to_mlx(kernels):
     """A latent width of 0 (the kernel would leave its output unwritten) and a ``top_p``
     outside ``(0, 1)`` (upstream returns the logits or raises) are not the kernels' cases:
-    the wrappers answer None, so the callers' MLX / upstream paths run (hostile review)."""
+    the wrappers answer None, so the callers' MLX / upstream paths run."""
     embeddings = mx.zeros((2, 4, 0))
     books = mx.zeros((2, 0, 4))
     norms = mx.zeros((2, 4))

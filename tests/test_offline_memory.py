@@ -1,4 +1,4 @@
-"""Peak memory of a whole offline turn grows linearly with the input (issue #13).
+"""Peak memory of a whole offline turn grows linearly with the input.
 
 The turn's peak grows linearly with its input (the log-mel spectrogram and the encoder's
 subsampling still run over the whole input at once; the encoder's attention is banded),

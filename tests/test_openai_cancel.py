@@ -1,4 +1,4 @@
-"""Hostile review finding 2: in the OpenAI dialect a ``response.cancel`` sent behind queued
+"""In the OpenAI dialect a ``response.cancel`` sent behind queued
 appends waited until the model had heard all of that audio (docs/openai-realtime.md says it
 ends the response at once). Now it is answered before the next frame runs, and the queued
 audio is still heard (the session keeps listening)."""

@@ -78,7 +78,8 @@ def _assert_open(client: GAClient) -> None:
 
 
 def test_every_session_field_of_every_json_type_is_a_realtime_error_or_accepted():
-    """The hostile review's a22 fuzz: an unhashable ``format.type`` raised TypeError."""
+    """Every field, every JSON type: an error event or accepted (an unhashable ``format.type``
+    raised TypeError)."""
     for path in _paths(FULL_SESSION):
         for value in WEIRD:
             try:

@@ -1,4 +1,4 @@
-"""The ``real-layout`` and ``full`` demo presets (issue #13): the published depths, head
+"""The ``real-layout`` and ``full`` demo presets: the published depths, head
 dimensions, Mamba state, int64 buffers, per-module quantization dict with mixed bits, the
 131,072-token tokenizer and the v2 converter's config extras. ``full`` is never built here:
 only its config, shard plan and pinning cost are checked (cheap, no weights computed)."""

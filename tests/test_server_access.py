@@ -333,7 +333,7 @@ def test_serve_subprocess_end_to_end(tiny, tmp_path):
             and events[-1]["frame_index"] == 1
         )
         assert http("POST", f"http://127.0.0.1:{port}/v1/chat/completions", {})[0] == 501
-        # Ctrl-C after a session: a clean exit 130, not SIGABRT (issue #12)
+        # Ctrl-C after a session: a clean exit 130, not SIGABRT
         process.send_signal(signal.SIGINT)
         assert process.wait(20) == 130
         assert "terminate called" not in (tmp_path / "serve.log").read_text()

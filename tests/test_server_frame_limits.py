@@ -1,7 +1,7 @@
 """WebSocket frame limits (server/transport_guards.py): frames that never complete a message
 (empty continuation frames) and control-frame floods (pings, unsolicited pongs) close the
 connection instead of holding the event loop; ordinary fragmentation and keep-alive pings
-are untouched (hostile review: a 1 KB/s client delayed every other session by 10-33 s)."""
+are untouched (a 1 KB/s client had delayed every other session by 10-33 s)."""
 
 from __future__ import annotations
 

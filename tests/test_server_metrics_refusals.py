@@ -1,4 +1,4 @@
-"""Hostile review finding 4: ``/metrics`` counted no refusal at the connection cap, in the
+"""``/metrics`` counted no refusal at the connection cap, in the
 probe headroom, nor any eviction (``voicechat_rejected_connections_total`` stayed 0 through
 hundreds of evictions). Reasons ``connection_cap``, ``probe_headroom`` and ``evicted`` now."""
 

@@ -1,4 +1,4 @@
-"""Hostile clients (issue #12): a client that stops reading, floods of messages and pings,
+"""Hostile clients: a client that stops reading, floods of messages and pings,
 half-sent requests, too many connections, DNS rebinding, HEAD requests. Each test fails
 without its guard (send deadline, bounded inbox, pong backlog, header deadline, connection
 cap, Host allow-list)."""

@@ -1,4 +1,4 @@
-"""Many sessions on one server (issue #14): ``--max-sessions N`` admits N conversations,
+"""Many sessions on one server: ``--max-sessions N`` admits N conversations,
 advanced together by the engine's batched ticks, each answered exactly as if alone; the
 N+1th connection gets server_busy; /health, /ready and /metrics report the slots."""
 

@@ -91,14 +91,21 @@ class ServerHandle:
     """``create_app(settings, engine)`` behind a real uvicorn server in a thread."""
 
     def __init__(
-        self, settings: ServerSettings, engine: RealtimeEngine, *, ws_max_size: int | None = None
+        self,
+        settings: ServerSettings,
+        engine: RealtimeEngine,
+        *,
+        ws_max_size: int | None = None,
+        bind: str = "127.0.0.1",
     ):
         self.settings = settings
         self.engine = engine
         self.app = create_app(settings, engine)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.bind = bind
+        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.bind((bind, 0))
         self.port = self._sock.getsockname()[1]
         # The CLI's server (limits, guarded protocols) with test logging.
         self.server = build_server(
@@ -133,7 +140,9 @@ class ServerHandle:
     # urls
     @property
     def host(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        """The ``Host`` of this server's URLs (``[::1]:port`` when bound to an IPv6 address)."""
+        name = f"[{self.bind}]" if ":" in self.bind else self.bind
+        return f"{name}:{self.port}"
 
     def http_url(self, route: str) -> str:
         return f"http://{self.host}{self.settings.path(route)}"

@@ -1,4 +1,4 @@
-"""Signals (issue #12): SIGTERM closes open sessions with 1001 and exits 143 within a few
+"""Signals: SIGTERM closes open sessions with 1001 and exits 143 within a few
 seconds; Ctrl-C (SIGINT) during an offline turn exits 130 -- never SIGABRT (134) with
 "terminate called without an active exception". (Ctrl-C to the server after a session is
 pinned by ``test_server_access.test_serve_subprocess_end_to_end``.)"""

@@ -1,4 +1,4 @@
-"""The streamed RNNT transcript decodes each frame's new symbols only (issue #12 soak).
+"""The streamed RNNT transcript decodes each frame's new symbols only.
 
 Upstream re-decodes the whole transcript every frame (``tokenizer.decode(all tokens)``), a
 per-frame cost that grows with the session; a 600 s soak with the demo's ~10 symbols per

@@ -54,15 +54,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import mlx_vlm
 
-    from ..demo import default_checkpoint
+    from ..demo import default_checkpoint, sample_speech
     from ..loading import load
     from ..registration.hooks import upstream_models
     from ..runtime import compiled
     from ..runtime.audio_io import read_audio
     from . import floor, machine, offline, report, streaming
 
-    speech_path = Path(__file__).resolve().parents[2] / "tests" / "data" / "question.wav"
-    speech = read_audio(speech_path) if speech_path.exists() else np.zeros(16000 * 2, np.float32)
+    speech = read_audio(sample_speech())
     samples = np.concatenate([speech, np.zeros(int(args.extra_seconds * 16000), np.float32)])
     results: dict = {"machine": machine.describe(), "streaming": {}, "floors": {}, "memory": {}, "graph": {}}
     bandwidth = floor.matvec_bandwidth()

@@ -217,6 +217,12 @@ def _inputs(args):
 
 
 def _run(args) -> int:
+    from ..versions import problem
+
+    unsupported = problem()  # an mlx-vlm outside the supported range: one line, no traceback
+    if unsupported:
+        print(f"error: {unsupported}", file=sys.stderr)
+        return EXIT_FAILURE
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     system_prompt = _system_prompt(args)
     waveform, output, model_path = _inputs(args)

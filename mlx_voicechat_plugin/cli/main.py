@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-HELP = """usage: mlx-voicechat {generate,serve,demo} ...
+HELP = """usage: mlx-voicechat [--version] {generate,serve,demo} ...
 
 NemotronLabs VoiceChat on MLX.
 
@@ -16,6 +16,10 @@ commands:
   generate   answer one spoken question offline (text + speech); --stream for the online session
   serve      the realtime WebSocket server (/v1/realtime; needs the 'server' extra)
   demo       build random-weight demo checkpoints (demo build OUT --preset tiny|small|medium|real-layout|full)
+             and print the bundled spoken question's path (demo speech)
+
+options:
+  -V, --version  print this package's version and the installed mlx, mlx-vlm and mlx-audio
 
 Run 'mlx-voicechat <command> --help' for a command's options. Without --model, generate and serve use
 the built-in tiny demo checkpoint. 'python -m mlx_voicechat_plugin.native' reports the native
@@ -24,10 +28,15 @@ CPU kernels."""
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: mlx-voicechat {generate,serve,demo} ...  (mlx-voicechat <command> --help)"
+    usage = "usage: mlx-voicechat [--version] {generate,serve,demo} ...  (mlx-voicechat <command> --help)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage if not argv else HELP)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from ..versions import describe
+
+        print(describe())
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "generate":
         from .generate import main as generate_main

@@ -258,8 +258,8 @@ PRESETS: dict[str, Preset] = {
 }
 
 #: Published values the ``full`` preset reproduces, by config path (sources: mlx-vlm's
-#: converter tests and defaults, the Rust port's documentation, NeMo recipes; see
-#: issue #13). ``tests/test_demo_checkpoint.py`` checks the built config against it.
+#: converter tests and defaults, the Rust port's documentation, NeMo
+#: recipes). ``tests/test_demo_checkpoint.py`` checks the built config against it.
 FULL_VALUES: dict[str, object] = {
     "audio_config.encoder.n_layers": 24,
     "audio_config.encoder.d_model": 1024,

@@ -34,7 +34,17 @@ class _HookedLoader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        self._hook(module)
+        try:
+            self._hook(module)
+        except Exception:
+            # An mlx-vlm outside the supported range may lack what a hook wraps: leave it
+            # untouched (its other models keep working; ours are refused with one line by
+            # the commands and the entry point, see ..versions). Within the range, a failing
+            # hook is a bug and is raised.
+            from ..versions import problem
+
+            if problem() is None:
+                raise
 
     def __getattr__(self, name):  # get_source, get_code, is_package, ...
         return getattr(self._loader, name)

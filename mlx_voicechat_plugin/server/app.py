@@ -13,7 +13,8 @@ Routes (all under ``--api-prefix``):
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/messages`` --
   501 Not Implemented naming ``/v1/realtime`` (this checkpoint has no text chat surface).
 
-``/health``, ``/ready`` and ``/voicechat`` also answer HEAD. Every HTTP and WebSocket
+``/health``, ``/ready`` and ``/voicechat`` also answer HEAD, with ``Cache-Control: no-store``
+(a probe or a page must never be answered from a cache). Every HTTP and WebSocket
 request must name an allowed ``Host`` (:class:`.security.HostGuardMiddleware`, a DNS
 rebinding guard); others get 403.
 
@@ -131,7 +132,7 @@ def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engin
             "sessions_max": engine.max_sessions,
             "model": settings.model_id,
         }
-        return JSONResponse(body, status_code=200 if alive else 503)
+        return JSONResponse(body, status_code=200 if alive else 503, headers={"Cache-Control": "no-store"})
 
     @app.api_route(settings.path("/ready"), methods=["GET", "HEAD"])
     async def ready():

@@ -172,6 +172,12 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
     note = ignored_note(args)
     if note:
         print(note, file=sys.stderr)
+    from ..versions import problem
+
+    unsupported = problem()  # an mlx-vlm outside the supported range: one line, no traceback
+    if unsupported:
+        print(f"error: {unsupported}", file=sys.stderr)
+        return EXIT_FAILURE
     from ..checkpoint import default_model_id, is_demo_checkpoint
     from ..loading import CheckpointError, resolve_checkpoint
     from .settings import ServerSettings

@@ -1,7 +1,7 @@
 """The queue between a ``/v1/realtime`` connection's socket reader and its handler.
 
-Three budgets bound it (issue #12, "Unbounded input queue" and "a cancel behind a full inbox";
-hostile review: "an inbox budget meant as audio can be filled with other data"):
+Three budgets bound it (so that the queue cannot grow without bound, a cancel is never stuck behind
+a full inbox, and a budget meant for audio cannot be filled with other data):
 
 * **every item** by the bytes it holds (:func:`held_bytes`; the connection queues each
   message's frame text, parsed again when it is handled), up to ``max_bytes``: by default the

@@ -15,8 +15,9 @@ counters):
 ``voicechat_rejected_connections_total{reason}``       refused connections: ``server_busy``,
                                                        ``unauthorized``, ``origin``,
                                                        ``connection_cap``, ``probe_headroom``,
-                                                       ``evicted`` (counter; the last three
-                                                       from :mod:`.transport_guards`)
+                                                       ``evicted``, ``bad_request`` (counter;
+                                                       the last four from
+                                                       :mod:`.transport_guards`)
 =====================================================  ==========================================
 """
 
@@ -28,7 +29,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 #: Tick-time histogram buckets (seconds): a tick should stay well under one 80 ms frame.
 TICK_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.24, 0.32, 0.5, 1.0, 2.0)
 #: ``reason`` labels of the rejected-connections counter.
-REJECT_REASONS = ("server_busy", "unauthorized", "origin", "connection_cap", "probe_headroom", "evicted")
+REJECT_REASONS = (
+    "server_busy", "unauthorized", "origin", "connection_cap", "probe_headroom", "evicted", "bad_request"
+)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -22,13 +22,12 @@ import signal
 import uvicorn
 
 from . import log_limit
+from .http_strict import MAX_HEAD_BYTES
 from .settings import ServerSettings
 from .transport_guards import PROBE_HEADROOM, protocol_classes
 
 #: Seconds uvicorn waits for the application's tasks after closing every connection.
 SHUTDOWN_TIMEOUT = 3
-#: Largest request head (request line and headers) uvicorn's h11 parser accepts (bytes).
-MAX_HEADER_BYTES = 16 * 1024
 #: Seconds an idle keep-alive HTTP connection stays open after a response.
 KEEP_ALIVE_SECONDS = 5
 #: Exit status after each handled signal (``128 + signal number``).
@@ -106,7 +105,7 @@ def build_server(app, settings: ServerSettings, *, host: str = "127.0.0.1", port
         ws_per_message_deflate=False,
         ws_ping_interval=20.0,
         ws_ping_timeout=20.0,
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,  # the head limit of .http_strict
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
         # the guard refuses first (at accept); past the cap it admits probes only
         limit_concurrency=settings.max_connections + PROBE_HEADROOM + 1,

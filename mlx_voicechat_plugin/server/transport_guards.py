@@ -1,12 +1,15 @@
 """uvicorn protocol classes with the limits a hostile client must not get around.
 
 uvicorn (0.54, ``h11`` HTTP and the ``websockets`` sans-I/O WebSocket protocol) already
-bounds header sizes (``h11_max_incomplete_event_size``), idle keep-alive connections
-(``timeout_keep_alive``) and answers 503 past ``limit_concurrency``; these subclasses add
-what it leaves open:
+bounds idle keep-alive connections (``timeout_keep_alive``) and answers 503 past
+``limit_concurrency``; these subclasses add what it leaves open:
 
-* :class:`GuardedH11Protocol` -- a **header deadline**: a request head (request line and
-  headers) must be complete within ``header_timeout`` seconds of the connection opening
+* :class:`GuardedH11Protocol` -- **strict parsing**: its ``h11`` connection is a
+  :class:`~.http_strict.StrictH11Connection` (the 16 KiB head limit however the head
+  arrives, no bare CR/LF, no obsolete line folding, no ``Content-Length`` beside
+  ``Transfer-Encoding``; RFC 9112), each refusal answered once and the connection closed
+  (:meth:`GuardedH11Protocol.send_400_response`). A **header deadline**: a request head
+  (request line and headers) must be complete within ``header_timeout`` seconds of the connection opening
   or of the previous response, else the connection is closed (uvicorn arms its keep-alive
   timer only after a response, and any received byte cancels it, so a half-sent request
   stayed open forever). And a **connection cap**: a connection opened while
@@ -64,6 +67,8 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+from .http_strict import MAX_HEAD_BYTES, StrictH11Connection
 
 #: Largest request body a request may declare (bytes): no route reads one; above, 413.
 #: Connections accepted beyond ``max_connections`` for health probes only (``probe_paths``).
@@ -218,6 +223,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.conn = StrictH11Connection(self.config.h11_max_incomplete_event_size or MAX_HEAD_BYTES)
         self.app = _refuse_large_bodies(self.app, self.max_body_bytes)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -256,6 +262,25 @@ class GuardedH11Protocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state not in _RECEIVING:  # a whole request (head and body) arrived
             self._disarm_head_deadline()
+
+    def send_400_response(self, msg: str) -> None:
+        """Answer a request the parser refused and close the connection: the
+        :class:`~.http_strict.HeadRefused` status and reason (431 or 400) when the strict
+        rules refused it, else uvicorn's 400; counted as ``bad_request``."""
+        self._disarm_head_deadline()
+        self.on_reject("bad_request")
+        refusal = self.conn.refusal
+        if refusal is None:
+            return super().send_400_response(msg)
+        body = (refusal.reason + "\n").encode("ascii")
+        headers = [
+            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        for event in (h11.Response(status_code=refusal.status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def handle_websocket_upgrade(self, event) -> None:
         self._disarm_head_deadline()  # the WebSocket protocol takes the socket over

@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--remeasure", action="store_true", help="measure again even when cached")
     args = parser.parse_args(argv)
+    from ....progress import show_on_stderr
+
+    show_on_stderr()  # the first run compiles the kernels (about a minute): say so meanwhile
     from . import available, calibrate, extension, status
     from .calibration import MARGIN, REPEATS, measuring_enabled
 

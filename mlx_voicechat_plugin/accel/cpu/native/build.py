@@ -3,7 +3,8 @@
 The extension is compiled on the machine that runs it, against the MLX that is installed
 (its headers and ``libmlx`` ship in the ``mlx`` wheel) and with ``nanobind`` (a dependency),
 the binding library MLX itself uses, so the ``mx.array`` arguments cross without copies.
-A build takes a few seconds, once per machine and MLX version: the shared object is cached
+A build takes about a minute (:data:`COMPILE_ESTIMATE`), once per machine and MLX version
+(the commands print a progress line on stderr meanwhile): the shared object is cached
 under :func:`~mlx_voicechat_plugin.demo.cache.cache_root` ``/native/<key>/``, where the
 key covers the source, the MLX, nanobind and Python versions, the compiler, the CPU and the
 instruction-set variant.
@@ -62,6 +63,9 @@ _AVX512 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 _AVX2 = {"avx2", "fma", "bmi2", "f16c"}
 #: Seconds a single compiler call may take.
 COMPILE_TIMEOUT = 600
+#: How long the first build takes, for the progress line printed while it runs (the
+#: nanobind support library and the kernels, compiled one after the other on one core).
+COMPILE_ESTIMATE = "about a minute"
 
 
 class BuildError(RuntimeError):
@@ -376,10 +380,10 @@ def build(cache: Path | None = None, isa: str | None = None) -> Path:
 
                 started = time.monotonic()
                 progress().info(
-                    "[native] compiling the exact CPU kernels for this machine (%s variant; "
-                    "once per machine and MLX version, usually 10-40 s)...", inputs.get("isa", "default"))
+                    "[native] compiling the native CPU kernels for this machine and MLX (%s variant; "
+                    "one time, %s) ...", inputs.get("isa", "default"), COMPILE_ESTIMATE)
                 _compile(inputs, target)
-                progress().info("[native] compiled in %.1f s", time.monotonic() - started)
+                progress().info("[native] ... done in %.0f s", time.monotonic() - started)
                 target.with_name(target.name + ".sha256").write_text(_digest(target) + "\n")
     except OSError as error:
         raise BuildError(f"cannot build the native kernel in {directory}: {error}") from None
