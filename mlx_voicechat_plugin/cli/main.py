@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import sys
 
-HELP = """usage: mlx-voicechat [--version] {generate,serve,demo} ...
+HELP = """usage: mlx-voicechat [--version] {generate,serve,demo,loadtest} ...
 
 NemotronLabs VoiceChat on MLX.
 
 commands:
   generate   answer one spoken question offline (text + speech); --stream for the online session
   serve      the realtime WebSocket server (/v1/realtime; needs the 'server' extra)
+  loadtest   paced callers against a running server on this machine: per-frame latency, equality to solo runs
   demo       build random-weight demo checkpoints (demo build OUT --preset tiny|small|medium|real-layout|full)
              and print the bundled spoken question's path (demo speech)
 
@@ -28,7 +29,7 @@ CPU kernels."""
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: mlx-voicechat [--version] {generate,serve,demo} ...  (mlx-voicechat <command> --help)"
+    usage = "usage: mlx-voicechat [--version] {generate,serve,demo,loadtest} ...  (mlx-voicechat <command> --help)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage if not argv else HELP)
         return 0 if argv else 2
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         from ..demo.__main__ import main as demo_main
 
         return demo_main(rest, prog="mlx-voicechat demo")
+    if command == "loadtest":
+        from ..clients.load_test import main as load_test_main
+
+        return load_test_main(rest)
     print(f"error: unknown command {command!r}\n{usage}", file=sys.stderr)
     return 2
 

@@ -5,8 +5,9 @@ Routes (all under ``--api-prefix``):
 * ``GET  /v1/realtime`` -- the WebSocket (:mod:`.connection`), gated by API key and Origin;
 * ``GET  /health`` -- ``{"status", "engine_alive", "session_slot", "model"}``; 200 while the
   engine thread is alive, 503 otherwise (for load balancers);
-* ``GET  /ready`` -- 200 while the engine is alive and a session slot is free, 503 when
-  every slot is busy (or the engine is down): the load balancer / Kubernetes readiness check;
+* ``GET  /ready`` -- 200 while the engine is alive and one more session would be admitted
+  (a slot free and, with several slots, the real-time tick budget not spent), 503 otherwise
+  (or when the engine is down): the load balancer / Kubernetes readiness check;
 * ``GET  /metrics`` -- Prometheus text format (:mod:`.metrics`);
 * ``GET  /v1/models`` -- the served model id;
 * ``GET  /voicechat`` -- the bundled browser voice-chat page (self-contained HTML);
@@ -137,7 +138,7 @@ def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engin
     @app.api_route(settings.path("/ready"), methods=["GET", "HEAD"])
     async def ready():
         active, alive = engine.sessions_active, engine.alive
-        is_ready = alive and active < engine.max_sessions
+        is_ready = alive and engine.slot_free  # a free slot, within the real-time budget
         body = {"ready": is_ready, "engine_alive": alive, "sessions_active": active, "sessions_max": engine.max_sessions}
         return JSONResponse(body, status_code=200 if is_ready else 503, headers={"Cache-Control": "no-store"})
 

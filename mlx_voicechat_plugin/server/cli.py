@@ -44,8 +44,40 @@ def _port(text: str) -> int:
     return value
 
 
-def _sessions(text: str) -> int:
-    """``--max-sessions``: a positive integer."""
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--tick-budget must be a positive fraction of a frame, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--max-lag must be a positive number of seconds, got {text}")
+    return value
+
+
+def _gather(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"--tick-gather must be between 0 and 1 s, got {text}")
+    return value
+
+
+def _sessions(text: str) -> int | str:
+    """``--max-sessions``: a positive integer, or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
     try:
         value = int(text)
     except ValueError:
@@ -87,7 +119,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT, help=argparse.SUPPRESS)
     parser.add_argument("--max-session-seconds", type=float, default=MAX_SESSION_SECONDS, help=argparse.SUPPRESS)
     parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help=argparse.SUPPRESS)
-    parser.add_argument("--max-sessions", type=_sessions, default=1, help="conversations served at once, advanced together in one batched step per 80 ms frame; the next connection gets server_busy (default 1)")
+    parser.add_argument("--max-sessions", type=_sessions, default=1, help="conversations served at once, advanced together in one batched step per 80 ms frame; the next connection gets server_busy (default 1); 'auto': as many as the tick budget admits")
+    parser.add_argument("--tick-budget", type=_fraction, default=0.9, help="with several sessions: admit a new one only while the predicted p95 tick with it stays within this fraction of the 80 ms frame (default 0.9)")
+    parser.add_argument("--tick-gather", type=_gather, default=None, help="with several sessions: longest a ready frame waits for the other live sessions' frames, in seconds (default 0.08, one frame; 0: tick at once)")
+    parser.add_argument("--max-lag", type=_seconds, default=None, help="close a session (server_busy) whose frames are answered more than this many seconds behind real time (default 2 with several sessions; no bound with one)")
     parser.add_argument("--allowed-hosts", action="append", default=None, help="host names the server may be reached under besides IP addresses and localhost (DNS rebinding guard; comma/space separated; '*' for any)")
     parser.add_argument("--send-timeout", type=float, default=SEND_TIMEOUT, help=f"seconds a client may take to read each event before its session is dropped (default {SEND_TIMEOUT:g})")
     parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help=f"open connections; more are refused with 503 (default {MAX_CONNECTIONS})")
@@ -258,7 +293,7 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
             exit_process(status)
         return status
 
-    engine = RealtimeEngine(loader, max_sessions=args.max_sessions)
+    engine = RealtimeEngine(loader, max_sessions=args.max_sessions, tick_budget=args.tick_budget, max_lag=args.max_lag, gather_seconds=args.tick_gather)
     try:
         engine.start()
     except RuntimeError as error:

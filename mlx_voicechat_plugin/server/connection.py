@@ -52,13 +52,6 @@ CANCEL_TYPES = frozenset({"session.cancel", "response.cancel"})
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_AGAIN = 1000, 1008, 1013
 
 
-def busy_message(slots: int) -> str:
-    """The ``server_busy`` error's message for a server of ``slots`` session slots."""
-    if slots == 1:
-        return "another realtime session is active; try again later"
-    return f"all {slots} realtime session slots are in use; try again later"
-
-
 class _Disconnected(Exception):
     pass
 
@@ -101,6 +94,9 @@ class Connection:
         self.handled_at = self.connected_at
         self.configured = False
         self.finished = False
+        # When the message being handled was read from the socket (an append's frames are
+        # due from then on: the engine's lag clock, :mod:`.lag_clock`).
+        self.message_read_at = self.connected_at
 
     # ------------------------------------------------------------------ sending
     async def send(self, payload: dict) -> None:
@@ -181,7 +177,7 @@ class Connection:
                 # message holds is its wire size, whatever fields it carries
                 samples = self.append_samples(message)
                 del message
-                await self._enqueue(("message", text), samples, held_bytes(text))
+                await self._enqueue(("message", (text, self.last_message_at)), samples, held_bytes(text))
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.gone = True
             self.engine.mark_leaving(self.session_id)
@@ -235,7 +231,7 @@ class Connection:
         """Serve the connection until commit, cancel, timeout or disconnect."""
         if not await self.engine.reserve(self.session_id):
             try:
-                await self.send_error(SERVER_BUSY, busy_message(self.engine.max_sessions))
+                await self.send_error(SERVER_BUSY, self.engine.busy_message())
             except _Disconnected:
                 return
             await self.close(CLOSE_TRY_AGAIN)
@@ -267,7 +263,8 @@ class Connection:
                 if kind == "error":
                     await self.send_error(value.code, value.message)
                     continue
-                value = protocol.parse_message(value)  # parsed once already by the reader
+                text, self.message_read_at = value
+                value = protocol.parse_message(text)  # parsed once already by the reader
                 self._dispatched_seq += 1  # "message" items are dispatched in reading order
                 for read in (self._cancels_read, self._commits_read):
                     while read and read[0] <= self._dispatched_seq:
@@ -339,11 +336,15 @@ class Connection:
                 return  # the queued cancel is handled before any more audio
             if self.gone:
                 raise _Disconnected()
-            reply = await self.engine.call("push", self.session_id, samples=samples[start : start + frame])
+            reply = await self.engine.call(
+                "push", self.session_id, samples=samples[start : start + frame], arrived=self.message_read_at
+            )
             for event in reply.events:
                 await self.send(event)
             if reply.error is not None:
                 await self.send_error(reply.error.code, reply.error.message)
+                if reply.error.code == SERVER_BUSY:  # fell behind real time (--max-lag)
+                    await self._end(CLOSE_TRY_AGAIN)
                 return
 
     async def _commit(self, message: dict) -> None:

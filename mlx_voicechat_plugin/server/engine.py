@@ -15,6 +15,14 @@ The engine serialises each event (base64 audio included) before replying, so the
 loop only sends text. It also holds the ``max_sessions`` slots (1 by default: a second
 connection gets ``server_busy``). The MLX buffer cache is cleared when the last session
 closes, never per frame.
+
+With more than one slot it keeps every caller on time (``docs/server.md``, "Real time under
+load"): a tick waits for every live session's frame (:mod:`.tick_gather`); a new session is
+admitted only while the predicted p95 tick with one more session fits the frame budget
+(:mod:`.tick_budget`; ``max_sessions="auto"`` admits by that rule alone); every batch size
+that can be admitted is run once before the first session (warm-up), so no live tick pays a
+first-time shape; and a session whose frames are answered more than ``max_lag`` seconds
+behind real time (:mod:`.lag_clock`) gets ``server_busy`` and is closed.
 """
 
 from __future__ import annotations
@@ -28,14 +36,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .lag_clock import LagClock
 from .metrics import ServerMetrics
 from .protocol import (
     INFERENCE_ERROR,
+    SERVER_BUSY,
     SESSION_INITIALIZATION_FAILED,
     ProtocolError,
     SessionConfig,
     serialize_event,
 )
+from .tick_budget import DEFAULT_FRACTION, TickBudget
+from .tick_gather import TickGather
 
 #: Longest time (s) a new connection waits for the slot of a session whose client has
 #: already gone (:meth:`RealtimeEngine.reserve`): its close is one engine command, behind at
@@ -47,6 +59,12 @@ RELEASE_POLL_SECONDS = 0.005
 #: one to start leaving before it gets ``server_busy`` (a vanished client is seen at the
 #: server's next event to it, within a tick).
 BUSY_GRACE_SECONDS = 0.25
+#: Most sessions ``max_sessions="auto"`` may admit (the tick budget decides below it).
+AUTO_MAX_SESSIONS = 32
+#: Default bound (s) on a session's lag behind real time, with more than one slot.
+DEFAULT_MAX_LAG = 2.0
+#: Frames each batch size runs during the warm-up (the last three are timed).
+WARM_UP_TICKS = 5
 
 logger = logging.getLogger("mlx_voicechat_plugin.server")
 
@@ -90,17 +108,52 @@ class RealtimeEngine:
 
     Args:
         loader: called once on the engine thread; returns ``(model, tokenizer)``.
-        max_sessions: sessions served at once (default 1, the spec's single slot).
+        max_sessions: sessions served at once (default 1, the spec's single slot), or
+            ``"auto"``: as many as the tick budget admits (at most :data:`AUTO_MAX_SESSIONS`).
+        tick_budget: with more than one slot, the share of the 80 ms frame the predicted
+            p95 tick may take for a new session to be admitted (default 0.9; ``math.inf``
+            turns the rule off).
+        max_lag: seconds a session's frames may be answered behind real time before it gets
+            ``server_busy`` and is closed (default 2 s with more than one slot, None = no
+            bound with one slot).
+        gather_seconds: longest a ready frame waits for the other live sessions' frames
+            (default one frame, 0.08 s, with more than one slot; 0 with one).
+        warm_up: run every admissible batch size before serving (default: with more than
+            one slot).
 
     Raises:
-        ValueError: ``max_sessions`` is not a positive integer.
+        ValueError: ``max_sessions`` is neither a positive integer nor ``"auto"``, or
+            another argument is out of range.
     """
 
-    def __init__(self, loader: Callable[[], tuple[Any, Any]], max_sessions: int = 1):
+    def __init__(
+        self,
+        loader: Callable[[], tuple[Any, Any]],
+        max_sessions: int | str = 1,
+        *,
+        tick_budget: float = DEFAULT_FRACTION,
+        max_lag: float | None = None,
+        gather_seconds: float | None = None,
+        warm_up: bool | None = None,
+    ):
+        self.auto = max_sessions == "auto"
+        if self.auto:
+            max_sessions = AUTO_MAX_SESSIONS
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
-            raise ValueError(f"max_sessions must be a positive integer, got {max_sessions!r}")
+            raise ValueError(f"max_sessions must be a positive integer or 'auto', got {max_sessions!r}")
+        several = max_sessions > 1
+        if max_lag is None and several:
+            max_lag = DEFAULT_MAX_LAG
+        if max_lag is not None and (isinstance(max_lag, bool) or not isinstance(max_lag, (int, float)) or not max_lag > 0):
+            raise ValueError(f"max_lag must be a positive number of seconds, got {max_lag!r}")
         self._loader = loader
         self.max_sessions = max_sessions
+        self.max_lag = max_lag
+        self.budget = TickBudget(fraction=tick_budget)
+        self._gather = TickGather(0.08 if gather_seconds is None and several else (gather_seconds or 0.0))
+        self._warm_up = several if warm_up is None else bool(warm_up)
+        self._lag: dict[str, LagClock] = {}
+        self._prefilling: set[str] = set()
         self.metrics = ServerMetrics(max_sessions)
         self._commands: queue.Queue[_Command | None] = queue.Queue()
         self._slot_lock = threading.Lock()
@@ -165,14 +218,15 @@ class RealtimeEngine:
                 return True
             elapsed = loop.time() - start
             if elapsed >= wait or (not leaving and elapsed >= min(wait, BUSY_GRACE_SECONDS)):
-                self.metrics.reject("server_busy")
+                self.metrics.reject("server_busy" if self.sessions_active >= self.max_sessions else "tick_budget")
                 return False
             await asyncio.sleep(RELEASE_POLL_SECONDS)
 
     def _take(self, session_id: str) -> tuple[bool, bool]:
         """(slot taken, some holder leaving)."""
         with self._slot_lock:
-            if len(self._reserved) >= self.max_sessions:
+            held = len(self._reserved)
+            if held >= self.max_sessions or not self.budget.admits(held + 1):
                 return False, bool(self._leaving)
             self._reserved.add(session_id)
             self.metrics.sessions_active.set(len(self._reserved))
@@ -200,8 +254,27 @@ class RealtimeEngine:
 
     @property
     def slot_free(self) -> bool:
-        """True while at least one slot is free."""
-        return self.sessions_active < self.max_sessions
+        """True while one more session would be admitted: a slot is free and (with more
+        than one slot) the tick budget admits it."""
+        held = self.sessions_active
+        return held < self.max_sessions and self.budget.admits(held + 1)
+
+    @property
+    def capacity(self) -> int:
+        """Sessions the engine admits now: ``max_sessions``, or fewer when the tick budget
+        says so."""
+        return self.budget.capacity(self.max_sessions)
+
+    def busy_message(self) -> str:
+        """The ``server_busy`` error's message: every slot held, or the real-time budget."""
+        held = self.sessions_active
+        if held < self.max_sessions:
+            return (
+                f"the server is at its real-time capacity ({held} active sessions); try again later"
+            )
+        if self.max_sessions == 1:
+            return "another realtime session is active; try again later"
+        return f"all {self.max_sessions} realtime session slots are in use; try again later"
 
     # -------------------------------------------------------------- commands
     def submit(self, kind: str, session_id: str, **payload) -> concurrent.futures.Future:
@@ -228,9 +301,23 @@ class RealtimeEngine:
             self._load_error = error
             self._ready.set()
             return
+        if self._warm_up:
+            try:
+                self._run_warm_up()
+            except Exception:  # noqa: BLE001 - serving without it is still correct
+                logger.exception("the batch-size warm-up failed; serving without it")
         self._ready.set()
         while True:
-            commands = [self._commands.get()] if not self._waiting else []
+            commands = []
+            if not self._waiting:
+                commands.append(self._commands.get())
+            else:
+                hold = self._gather_hold()
+                if hold > 0:  # tick gather: the other live sessions' frames are due
+                    try:
+                        commands.append(self._commands.get(timeout=hold))
+                    except queue.Empty:
+                        pass
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -241,7 +328,8 @@ class RealtimeEngine:
                     self._shutdown()
                     return
                 self._handle(command)
-            if self._waiting:
+            if self._waiting and self._gather_hold() <= 0:
+                self._gather.ticked()
                 try:
                     self._tick()
                 except Exception as error:  # noqa: BLE001 - the engine thread must survive
@@ -275,12 +363,29 @@ class RealtimeEngine:
         frames = batch.frames_processed - before
         if frames:
             self.metrics.observe_tick(batch.last_tick_seconds, frames)
+            self.budget.observe(frames, batch.last_tick_seconds)
+        for session_id in list(self._prefilling):
+            if session_id not in batch.session_ids or not batch.prefilling(session_id):
+                self._prefilling.discard(session_id)
+                if session_id in self._lag:
+                    self._lag[session_id].restart()
         for session_id, result in results.items():
             waiting = self._waiting.get(session_id)
             if waiting is None:  # nobody asked (cannot happen: every ready session waits)
                 continue
             future, events = waiting
             events.extend(serialize_event(event) for event in result.events)
+            lag = self._answered(session_id, result)
+            if lag is not None and self.max_lag is not None and lag > self.max_lag and not result.finished:
+                del self._waiting[session_id]
+                self._close_session(session_id)
+                self.metrics.sessions_lagging.inc()
+                message = (
+                    f"this session's audio was answered {lag:.1f} s behind real time (more than the "
+                    f"server's {self.max_lag:g} s bound): the server is overloaded; closing the session"
+                )
+                _resolve(future, Reply(events=events, error=ProtocolError(SERVER_BUSY, message)))
+                continue
             if result.error is not None:
                 del self._waiting[session_id]
                 _resolve(future, _error_reply(events, result.error))
@@ -292,6 +397,63 @@ class RealtimeEngine:
             _resolve(future, Reply(events=events, error=ProtocolError(INFERENCE_ERROR, "the session was closed")))
         if not len(batch):
             self._clear_cache()
+
+    def _gather_hold(self) -> float:
+        """Seconds the next tick waits for the other live sessions (:mod:`.tick_gather`)."""
+        open_ids = self._batch.session_ids
+        expected = self.budget.p95(len(open_ids)) or 0.0
+        return self._gather.wait_seconds(set(self._waiting), open_ids, expected)
+
+    def _answered(self, session_id: str, result) -> float | None:
+        """Lag (s) of the frame this tick ran for ``session_id`` (None when it ran none)."""
+        from ..runtime.streaming import Audio
+
+        clock = self._lag.get(session_id)
+        if clock is None or not any(isinstance(event, Audio) for event in result.events):
+            return None
+        lag = clock.answered()
+        if lag is not None:
+            self.metrics.observe_lag(lag)
+        if result.finished:
+            self._forget(session_id)
+        return lag
+
+    def _forget(self, session_id: str) -> None:
+        self._lag.pop(session_id, None)
+        self._prefilling.discard(session_id)
+        self._gather.forget(session_id)
+
+    def _close_session(self, session_id: str) -> None:
+        self._forget(session_id)
+        if session_id in self._batch.session_ids:
+            self._batch.close(session_id)
+        if not len(self._batch):
+            self._clear_cache()
+
+    def _run_warm_up(self) -> None:
+        """Run every batch size that can be admitted (1 .. ``max_sessions``, stopping after
+        the first whose p95 tick exceeds the budget) for :data:`WARM_UP_TICKS` frames of
+        quiet noise, so that no live tick pays a first-time shape; the last three ticks of
+        each size seed :attr:`budget`."""
+        import numpy as np
+
+        batch = self._batch
+        noise = np.random.default_rng(0).uniform(-0.01, 0.01, batch.frame_samples * WARM_UP_TICKS).astype(np.float32)
+        for rows in range(1, self.max_sessions + 1):
+            ids = [batch.open(session_id=f"warm-up-{rows}-{row}", incremental_prefill=False) for row in range(rows)]
+            try:
+                for session_id in ids:
+                    batch.push_audio(session_id, noise)
+                for tick in range(WARM_UP_TICKS):
+                    batch.tick()
+                    if tick >= WARM_UP_TICKS - 3:
+                        self.budget.observe(rows, batch.last_tick_seconds, warm_up=True)
+            finally:
+                for session_id in ids:
+                    batch.close(session_id)
+            if rows > 1 and not self.budget.admits(rows):
+                break
+        self._clear_cache()
 
     def _shutdown(self) -> None:
         for session_id in self._batch.session_ids:
@@ -326,8 +488,11 @@ class RealtimeEngine:
                 batch.open(options, session_id=session_id)
             except (ValueError, TypeError, StreamingError) as error:
                 return Reply(error=ProtocolError(SESSION_INITIALIZATION_FAILED, str(error)))
+            self._lag[session_id] = LagClock(batch.frame_samples / 16_000)
             if not batch.prefilling(session_id):
                 return Reply()
+            self._prefilling.add(session_id)  # its frames are due from the prompt's end on
+            self._gather.waiting()
             # the system prompt runs one token per tick beside the other sessions' frames;
             # session.updated is sent once it is done
             self._waiting[session_id] = (command.future, [])
@@ -336,6 +501,7 @@ class RealtimeEngine:
             waiting = self._waiting.pop(session_id, None)
             if waiting is not None:  # its caller stopped waiting (cancelled) and closes it
                 _resolve(waiting[0], Reply(events=waiting[1], error=ProtocolError(INFERENCE_ERROR, "the session was closed")))
+            self._forget(session_id)
             if session_id in batch.session_ids:
                 batch.close(session_id)
                 if not len(batch):
@@ -347,12 +513,20 @@ class RealtimeEngine:
             return Reply(error=ProtocolError(INFERENCE_ERROR, "the previous command of this session is still running"))
         try:
             if command.kind == "push":
+                before = batch.pending_samples(session_id)
                 batch.push_audio(session_id, command.payload["samples"], command.payload.get("sample_rate", 16000))
+                frames = (batch.pending_samples(session_id)) // batch.frame_samples - before // batch.frame_samples
+                clock = self._lag.get(session_id)
+                if clock is not None and frames > 0:
+                    clock.pushed(frames, at=command.payload.get("arrived"))
+                self._gather.pushed(session_id)
                 if not batch.ready(session_id):
                     return Reply()
             elif command.kind == "flush":
                 batch.flush(session_id, pad_partial=command.payload["pad_partial"])
+                self._gather.waiting()
             elif command.kind == "cancel":
+                self._forget(session_id)
                 events = batch.cancel(session_id)
                 if not len(batch):
                     self._clear_cache()

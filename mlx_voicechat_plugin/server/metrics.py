@@ -12,7 +12,18 @@ counters):
 ``voicechat_tick_sessions``                            sessions advanced by the last tick (gauge)
 ``voicechat_realtime_factor``                          last tick's time / 80 ms (gauge; above 1
                                                        the sessions fall behind real time)
-``voicechat_rejected_connections_total{reason}``       refused connections: ``server_busy``,
+``voicechat_frame_lag_seconds``                       per frame, from when it was due (its
+                                                       append's arrival, or real-time pace) to
+                                                       the end of the tick that ran it
+                                                       (histogram, :mod:`.lag_clock`)
+``voicechat_frames_late_total``                        frames answered more than two frames
+                                                       (0.16 s) after they were due (counter)
+``voicechat_sessions_lagging_total``                   sessions closed for falling more than
+                                                       ``--max-lag`` behind real time (counter)
+``voicechat_rejected_connections_total{reason}``       refused connections: ``server_busy``
+                                                       (every slot held), ``tick_budget`` (a
+                                                       slot free, but one more session would
+                                                       push the p95 tick past the budget),
                                                        ``unauthorized``, ``origin``,
                                                        ``connection_cap``, ``probe_headroom``,
                                                        ``evicted``, ``bad_request`` (counter;
@@ -30,8 +41,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 TICK_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.24, 0.32, 0.5, 1.0, 2.0)
 #: ``reason`` labels of the rejected-connections counter.
 REJECT_REASONS = (
-    "server_busy", "unauthorized", "origin", "connection_cap", "probe_headroom", "evicted", "bad_request"
+    "server_busy", "tick_budget", "unauthorized", "origin", "connection_cap", "probe_headroom", "evicted",
+    "bad_request",
 )
+#: Frame-lag histogram buckets (seconds).
+LAG_BUCKETS = (0.02, 0.04, 0.08, 0.12, 0.16, 0.24, 0.32, 0.5, 1.0, 2.0, 4.0)
+#: A frame answered more than this long (s) after it was due is late: two 80 ms frames.
+LATE_SECONDS = 0.16
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -69,6 +85,20 @@ class ServerMetrics:
             "Last tick's wall time divided by the 80 ms frame (above 1: slower than real time)",
             registry=self.registry,
         )
+        self.frame_lag = Histogram(
+            "voicechat_frame_lag_seconds",
+            "Per frame: from when it was due (its append's arrival, or real-time pace) to the end of its tick",
+            buckets=LAG_BUCKETS,
+            registry=self.registry,
+        )
+        self.frames_late = Counter(
+            "voicechat_frames_late", "Frames answered more than 0.16 s after they were due", registry=self.registry
+        )
+        self.sessions_lagging = Counter(
+            "voicechat_sessions_lagging",
+            "Sessions closed for falling more than --max-lag behind real time",
+            registry=self.registry,
+        )
         self.rejected = Counter(
             "voicechat_rejected_connections",
             "Connections refused, by reason",
@@ -84,6 +114,12 @@ class ServerMetrics:
         self.tick_seconds.observe(seconds)
         self.tick_sessions.set(frames)
         self.realtime_factor.set(seconds / self.frame_seconds)
+
+    def observe_lag(self, seconds: float) -> None:
+        """Record one frame's lag (:mod:`.lag_clock`)."""
+        self.frame_lag.observe(seconds)
+        if seconds > LATE_SECONDS:
+            self.frames_late.inc()
 
     def reject(self, reason: str) -> None:
         """Count a refused connection (``reason`` one of :data:`REJECT_REASONS`)."""

@@ -18,8 +18,9 @@ import logging
 import numpy as np
 
 from .. import protocol
-from ..connection import Connection, _Disconnected
+from ..connection import CLOSE_TRY_AGAIN, Connection, _Disconnected
 from ..log_limit import RateLimitFilter
+from ..protocol import SERVER_BUSY
 from . import fields, session_config
 from .audio import FORMAT_RATES, AudioFormatError, InputAudio
 from .errors import SERVER_ERROR, RealtimeError, error_event
@@ -229,12 +230,15 @@ class OpenAIConnection(Connection):
         if getattr(self, "gone", False):
             return False
         await self._cancel_early()
-        reply = await self.engine.call("push", self.session_id, samples=samples)
+        arrived = self.message_read_at if heard else None  # silence the server feeds is due at once
+        reply = await self.engine.call("push", self.session_id, samples=samples, arrived=arrived)
         level = rms(samples) if heard else 0.0
         for frame in frames_from_events(reply.events):
             await self._send_all(self.timeline.frame(frame, level, heard=heard))
         if reply.error is not None:
             await self.send(error_event(reply.error.code, reply.error.message))
+            if reply.error.code == SERVER_BUSY:  # fell behind real time (--max-lag)
+                await self._end(CLOSE_TRY_AGAIN)
             return False
         return True
 

@@ -1,0 +1,319 @@
+"""Load test: N callers talking to a running server in real time, and what each one feels.
+
+    mlx-voicechat loadtest ws://127.0.0.1:8080/v1/realtime --callers 4 --seconds 8
+
+Each caller connects (joining ``--stagger`` seconds after the previous one), configures its
+session (seed = its index) and sends its own input -- a WAV (``--wav``, repeated cyclically
+over the callers; default the bundled spoken question), shifted by ``0.24 s x index`` of
+leading silence so no two inputs are equal, padded with silence to ``--seconds`` -- as 80 ms
+appends paced on the wall clock, then commits. For every frame it records the **latency**
+from sending the append to receiving that frame's ``response.audio.delta``.
+
+The report gives per caller and overall the latency p50 / p95 / p99 / max, the frames
+**late** (latency over two frames, 160 ms: more than one frame of lag), the tick's real-time
+factor from the server's ``/metrics`` (mean tick / 80 ms over the run), and whether each
+caller's answer (text ids and all 31 codes of every frame) **equals** the same input run
+alone (each caller's input is first run by itself, unpaced, on the same server).
+
+``--dialect openai`` callers speak the OpenAI Realtime dialect (24 kHz PCM, server VAD);
+their answers are segmented into responses, so per-frame latency is taken from the server's
+``voicechat_frame_lag_seconds`` histogram instead (the same due-to-answer lag, measured by the
+server), and no equality check is made.
+
+Bounded in time (``--timeout``) and loopback only: the URL's host must be ``127.0.0.1``,
+``::1`` or ``localhost`` (a load test is not a tool for someone else's server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import re
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+
+from .protocol import FRAME_SAMPLES, INPUT_SAMPLE_RATE, encode_pcm16
+
+#: A frame answered later than this (s) after its append was sent is late.
+LATE_SECONDS = 0.16
+FRAME_SECONDS = FRAME_SAMPLES / INPUT_SAMPLE_RATE
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+@dataclass
+class CallerResult:
+    """One caller's run: per-frame latencies (s, default dialect) and its answer."""
+
+    index: int
+    latencies: list[float] = field(default_factory=list)
+    answer: list[tuple] = field(default_factory=list)  # per frame: (text token id, codes)
+    close_code: int | None = None
+    error: str | None = None
+    equal_to_solo: bool | None = None
+
+    def summary(self) -> dict:
+        return {"caller": self.index, **latency_summary(self.latencies), "close_code": self.close_code,
+                "error": self.error, "equal_to_solo": self.equal_to_solo}
+
+
+def latency_summary(latencies: list[float]) -> dict:
+    """p50 / p95 / p99 / max (ms) and frames late of a list of latencies (s)."""
+    if not latencies:
+        return {"frames": 0}
+    values = np.asarray(latencies) * 1e3
+    return {
+        "frames": int(values.size),
+        "p50_ms": round(float(np.quantile(values, 0.5)), 1),
+        "p95_ms": round(float(np.quantile(values, 0.95)), 1),
+        "p99_ms": round(float(np.quantile(values, 0.99)), 1),
+        "max_ms": round(float(values.max()), 1),
+        "late": int((values > LATE_SECONDS * 1e3).sum()),
+    }
+
+
+def caller_input(base: np.ndarray, index: int, seconds: float) -> np.ndarray:
+    """Caller ``index``'s 16 kHz input: ``base`` after ``0.24 s x index`` of silence, padded
+    or cut to ``seconds`` (a whole number of frames)."""
+    frames = max(1, round(seconds / FRAME_SECONDS))
+    out = np.zeros(frames * FRAME_SAMPLES, np.float32)
+    lead = min(out.size, round(0.24 * index * INPUT_SAMPLE_RATE))
+    take = min(base.size, out.size - lead)
+    out[lead : lead + take] = base[:take]
+    return out
+
+
+def _audio_frame(event: dict) -> tuple:
+    return tuple(event.get("audio_codes") or ())
+
+
+async def run_caller(url: str, index: int, samples: np.ndarray, start_at: float | None, timeout: float) -> CallerResult:
+    """One default-dialect caller: appends paced from ``start_at`` (a ``time.monotonic``
+    reading; None sends them all at once, unpaced), then a commit; returns its result."""
+    import websockets
+
+    result = CallerResult(index)
+    sent: list[float] = []
+    text_ids: dict[int, int] = {}
+    try:
+        async with websockets.connect(url, max_size=None, ping_interval=None, proxy=None) as ws:
+            await ws.send(json.dumps({"type": "session.update", "session": {"seed": index}}))
+            while (json.loads(await asyncio.wait_for(ws.recv(), timeout)))["type"] != "session.updated":
+                pass
+
+            async def send():
+                for k in range(samples.size // FRAME_SAMPLES):
+                    if start_at is not None:
+                        await asyncio.sleep(max(0.0, start_at + k * FRAME_SECONDS - time.monotonic()))
+                    sent.append(time.monotonic())
+                    chunk = samples[k * FRAME_SAMPLES : (k + 1) * FRAME_SAMPLES]
+                    await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": encode_pcm16(chunk)}))
+                await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+
+            sender = asyncio.ensure_future(send())
+            try:
+                async for raw in ws:
+                    event = json.loads(raw)
+                    kind = event["type"]
+                    if kind == "response.text.delta":
+                        text_ids[event["frame_index"]] = event["token_id"]
+                    elif kind == "response.audio.delta":
+                        frame = event["frame_index"]
+                        if frame < len(sent):
+                            result.latencies.append(time.monotonic() - sent[frame])
+                        result.answer.append((text_ids.get(frame), _audio_frame(event)))
+                    elif kind == "error":
+                        result.error = f"{event['error']['code']}: {event['error']['message']}"
+            finally:
+                sender.cancel()
+            result.close_code = ws.close_code
+    except Exception as error:  # noqa: BLE001 - reported per caller
+        result.error = result.error or f"{type(error).__name__}: {error}"
+    return result
+
+
+async def run_openai_caller(url: str, index: int, samples: np.ndarray, start_at: float, timeout: float) -> CallerResult:
+    """One OpenAI-dialect caller (24 kHz PCM appends paced from ``start_at``, server VAD);
+    it closes the socket one second after its last append."""
+    import soxr
+    import websockets
+
+    result = CallerResult(index)
+    pcm24 = soxr.resample(samples, INPUT_SAMPLE_RATE, 24_000).astype(np.float32)
+    step = round(FRAME_SECONDS * 24_000)
+    try:
+        async with websockets.connect(url, max_size=None, ping_interval=None, proxy=None) as ws:
+            await asyncio.wait_for(ws.recv(), timeout)  # session.created
+            for k in range(pcm24.size // step):
+                await asyncio.sleep(max(0.0, start_at + k * FRAME_SECONDS - time.monotonic()))
+                chunk = np.clip(pcm24[k * step : (k + 1) * step], -1, 1)
+                audio = base64.b64encode((chunk * 32767).astype("<i2").tobytes()).decode()
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": audio}))
+                while True:  # keep reading so the server never waits on this client
+                    try:
+                        event = json.loads(await asyncio.wait_for(ws.recv(), 0.001))
+                    except asyncio.TimeoutError:
+                        break
+                    if event["type"] == "error":
+                        result.error = f"{event['error'].get('code')}: {event['error'].get('message')}"
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                try:
+                    await asyncio.wait_for(ws.recv(), max(0.001, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    break
+            result.close_code = 1000
+    except Exception as error:  # noqa: BLE001 - reported per caller
+        result.error = result.error or f"{type(error).__name__}: {error}"
+    return result
+
+
+def _metrics_url(url: str) -> str:
+    parts = urlsplit(url)
+    path = parts.path.rsplit("/v1/realtime", 1)[0] + "/metrics"
+    return urlunsplit(("https" if parts.scheme == "wss" else "http", parts.netloc, path, "", ""))
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's ``/metrics`` samples (name with labels -> value)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(_metrics_url(url), timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        match = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
+        if match:
+            samples[match.group(1)] = float(match.group(2))
+    return samples
+
+
+def _lag_quantiles(before: dict, after: dict) -> dict:
+    """Approximate p50 / p95 / p99 lag (ms) from the histogram's bucket counts in the run."""
+    buckets = []
+    for name, value in after.items():
+        match = re.match(r'voicechat_frame_lag_seconds_bucket\{le="([^"]+)"\}', name)
+        if match:
+            buckets.append((float(match.group(1)), value - before.get(name, 0.0)))
+    buckets.sort()
+    total = buckets[-1][1] if buckets else 0
+    out = {"frames": int(total)}
+    for q in (0.5, 0.95, 0.99):
+        bound = next((le for le, count in buckets if total and count >= q * total), None)
+        out[f"p{round(q * 100)}_ms_at_most"] = None if bound is None or bound == float("inf") else bound * 1e3
+    return out
+
+
+async def run_load(url: str, callers: int, seconds: float, stagger: float, base: list[np.ndarray], dialect: str,
+                   timeout: float, compare: bool = True) -> dict:
+    """Run the load test (module docstring); returns the report as a dict."""
+    inputs = [caller_input(base[i % len(base)], i, seconds) for i in range(callers)]
+    target = url + (("&" if "?" in url else "?") + "dialect=openai" if dialect == "openai" else "")
+    solo: list[CallerResult] = []
+    if compare and dialect != "openai":
+        for i, samples in enumerate(inputs):  # each input alone, unpaced
+            solo.append(await asyncio.wait_for(run_caller(url, i, samples, None, timeout), timeout))
+    before = scrape(url)
+    began = time.monotonic() + 0.2
+    runner = run_openai_caller if dialect == "openai" else run_caller
+    tasks = [runner(target, i, inputs[i], began + i * stagger, timeout) for i in range(callers)]
+    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+    after = scrape(url)
+    for result, alone in zip(results, solo):
+        result.equal_to_solo = result.error is None and bool(result.answer) and result.answer == alone.answer
+    ticks = after.get("voicechat_tick_seconds_count", 0) - before.get("voicechat_tick_seconds_count", 0)
+    tick_sum = after.get("voicechat_tick_seconds_sum", 0) - before.get("voicechat_tick_seconds_sum", 0)
+    frames = after.get("voicechat_frames_processed_total", 0) - before.get("voicechat_frames_processed_total", 0)
+    return {
+        "callers": callers,
+        "dialect": dialect,
+        "per_caller": [result.summary() for result in results],
+        "overall": latency_summary([x for result in results for x in result.latencies]),
+        "server_lag": _lag_quantiles(before, after),
+        "ticks": int(ticks),
+        "frames_per_tick": round(frames / ticks, 2) if ticks else None,
+        "tick_realtime_factor": round(tick_sum / ticks / FRAME_SECONDS, 3) if ticks else None,
+        "all_equal_to_solo": None if not solo else all(result.equal_to_solo for result in results),
+        "errors": [result.error for result in results if result.error],
+    }
+
+
+def _print(report: dict) -> None:
+    def row(name, s):
+        if not s.get("frames"):
+            return f"{name:>8}  no frames"
+        return (f"{name:>8}  p50 {s['p50_ms']:6.1f}  p95 {s['p95_ms']:6.1f}  p99 {s['p99_ms']:6.1f}  "
+                f"max {s['max_ms']:6.1f} ms  late {s['late']}/{s['frames']}")
+
+    print(f"{report['callers']} callers, {report['dialect']} dialect: append -> audio latency")
+    for caller in report["per_caller"]:
+        line = row(f"#{caller['caller']}", caller)
+        if caller.get("equal_to_solo") is not None:
+            line += "  equal to solo: " + ("yes" if caller["equal_to_solo"] else "NO")
+        if caller.get("error"):
+            line += f"  error: {caller['error']}"
+        print(line)
+    if report["overall"].get("frames"):
+        print(row("all", report["overall"]))
+    print(f"server lag: {report['server_lag']}")
+    print(f"ticks {report['ticks']}, frames per tick {report['frames_per_tick']}, "
+          f"tick real-time factor {report['tick_realtime_factor']}")
+    if report["all_equal_to_solo"] is not None:
+        print("every answer equals its solo run: " + ("yes" if report["all_equal_to_solo"] else "NO"))
+
+
+def build_parser(prog: str = "mlx-voicechat loadtest") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Paced callers against a running server on loopback; per-frame latency as each caller feels it.")
+    parser.add_argument("url", help="the server's WebSocket, e.g. ws://127.0.0.1:8080/v1/realtime")
+    parser.add_argument("--callers", type=int, default=4, help="concurrent callers (default 4)")
+    parser.add_argument("--seconds", type=float, default=8.0, help="audio each caller sends, paced (default 8)")
+    parser.add_argument("--stagger", type=float, default=0.37, help="seconds between callers joining (default 0.37)")
+    parser.add_argument("--wav", action="append", default=None, help="input audio (repeatable; default the bundled question)")
+    parser.add_argument("--dialect", choices=("default", "openai"), default="default")
+    parser.add_argument("--no-compare", action="store_true", help="skip the solo runs and the equality check")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (default 300)")
+    parser.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    return parser
+
+
+def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat loadtest") -> int:
+    """Exit 0 when every caller finished without error, 1 otherwise, 2 on bad usage."""
+    try:
+        args = build_parser(prog).parse_args(argv)
+    except SystemExit as exit_:
+        return 2 if exit_.code not in (0, None) else 0
+    host = urlsplit(args.url).hostname
+    if urlsplit(args.url).scheme not in ("ws", "wss") or host not in LOOPBACK:
+        print(f"error: the load test runs against a server on this machine only (ws://127.0.0.1:PORT/...), got {args.url!r}", file=sys.stderr)
+        return 2
+    if not 1 <= args.callers <= 64 or not 0 < args.seconds <= 600 or args.stagger < 0 or args.timeout <= 0:
+        print("error: --callers 1..64, --seconds in (0, 600], --stagger >= 0 and --timeout > 0", file=sys.stderr)
+        return 2
+    from ..demo.sample import sample_speech
+    from ..runtime.audio_io import AudioInputError, read_audio
+
+    try:
+        base = [read_audio(path, INPUT_SAMPLE_RATE, max_seconds=600) for path in (args.wav or [str(sample_speech())])]
+    except AudioInputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        report = asyncio.run(run_load(args.url, args.callers, args.seconds, args.stagger, base, args.dialect,
+                                      args.timeout, compare=not args.no_compare))
+    except (OSError, asyncio.TimeoutError) as error:
+        print(f"error: the load test failed: {error or 'timed out'}", file=sys.stderr)
+        return 1
+    _print(report)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2)
+    return 0 if not report["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Tick gather: one tick per frame period over every live session, not one per arrival.
+
+Callers' frames arrive out of phase. Ticking as soon as any session has a frame splits each
+80 ms period into several small batches whose total cost exceeds the frame clock, and then
+every session falls behind together. :class:`TickGather` holds a tick back until every
+*live* session (one that pushed audio within :data:`LIVE_SECONDS`) has its frame ready, or
+until the first waiting frame has waited ``window`` minus the expected tick time (so that
+the first frame is still answered within ``window`` of its arrival), whichever comes first. A
+session that has gone quiet (between push-to-talk turns, after its last append) is not
+waited for once it stops being live; one session alone is never held back.
+"""
+
+from __future__ import annotations
+
+import time
+
+#: A session that pushed audio this recently (seconds) is expected to push again soon.
+LIVE_SECONDS = 0.2
+
+
+class TickGather:
+    """When to run the next tick.
+
+    Args:
+        window: longest a ready frame waits for the other live sessions' frames (seconds;
+            0 ticks at once, as without gathering).
+        clock: the time source (``time.monotonic``).
+    """
+
+    def __init__(self, window: float, clock=time.monotonic):
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or window < 0:
+            raise ValueError(f"the gather window must be a number of seconds >= 0, got {window!r}")
+        self.window = float(window)
+        self._clock = clock
+        self._pushed_at: dict[str, float] = {}
+        self._first_ready: float | None = None
+
+    def pushed(self, session_id: str) -> None:
+        """A push for ``session_id`` arrived (it is live)."""
+        now = self._clock()
+        self._pushed_at[session_id] = now
+        if self._first_ready is None:
+            self._first_ready = now
+
+    def waiting(self) -> None:
+        """Some session waits for a tick (its first frame, a flush, a prompt token)."""
+        if self._first_ready is None:
+            self._first_ready = self._clock()
+
+    def forget(self, session_id: str) -> None:
+        """``session_id`` closed."""
+        self._pushed_at.pop(session_id, None)
+
+    def ticked(self) -> None:
+        """A tick ran: the next one gathers afresh."""
+        self._first_ready = None
+
+    def wait_seconds(self, ready: set[str], open_ids, expected_tick: float = 0.0) -> float:
+        """Seconds to hold the tick for more frames (0: tick now).
+
+        Args:
+            ready: sessions waiting for the tick.
+            open_ids: every open session.
+            expected_tick: the tick's expected duration (s) with every open session.
+        """
+        if not ready or self.window <= 0 or self._first_ready is None:
+            return 0.0
+        now = self._clock()
+        missing = [
+            session_id
+            for session_id in open_ids
+            if session_id not in ready and now - self._pushed_at.get(session_id, -1e9) < LIVE_SECONDS
+        ]
+        if not missing:
+            return 0.0
+        return max(0.0, self._first_ready + self.window - expected_tick - now)

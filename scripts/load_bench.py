@@ -1,0 +1,151 @@
+"""Real time under load, measured through the server as callers feel it.
+
+    python scripts/load_bench.py --presets tiny small --max-callers 8 --seconds 8
+    python scripts/load_bench.py --presets medium --callers 1 4 --seconds 8
+
+For each demo preset (built into a temporary directory) it starts ``mlx-voicechat serve``
+with ``--max-sessions`` = the largest caller count and, for each caller count N, runs the load
+test (:mod:`mlx_voicechat_plugin.clients.load_test`: N callers paced on the wall clock, 80 ms
+appends, joining 0.37 s apart) and reports the append-to-audio latency p50 / p99 / max, late
+frames, frames per tick and the mean tick; then:
+
+* the largest N whose p99 stays under two frames (160 ms);
+* the same N callers with the tick gather off (``--tick-gather 0``), on a second server;
+* with ``--auto``: a ``--max-sessions auto`` server offered twice that many callers, and
+  the p99 of the sessions it admitted (refused ones get ``server_busy``);
+* the batched tick of the largest N against one caller's tick (mean tick per tick, from the
+  server's ``/metrics``), the ratio the batched engine targets at <= 1.6.
+
+State the machine's load with the figures (the script prints ``os.getloadavg()`` before each
+preset). Loopback only; every run is bounded in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from mlx_voicechat_plugin.clients.load_test import run_load
+from mlx_voicechat_plugin.demo.sample import sample_speech
+from mlx_voicechat_plugin.runtime.audio_io import read_audio
+
+TARGET_MS = 160.0
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """``mlx-voicechat serve`` in a subprocess, stopped on exit."""
+
+    def __init__(self, model: Path, *options: str):
+        self.port = _port()
+        command = [sys.executable, "-m", "mlx_voicechat_plugin.cli.main", "serve", "--model", str(model),
+                   "--port", str(self.port), "--log-level", "warning", *options]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        deadline = time.monotonic() + 600
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}")
+            try:
+                with opener.open(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not come up in 600 s")
+            time.sleep(0.5)
+        self.url = f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def _load(url: str, callers: int, args, speech) -> dict:
+    return asyncio.run(run_load(url, callers, args.seconds, args.stagger, [speech], "default",
+                                timeout=600, compare=args.compare))
+
+
+def _row(preset: str, label: str, callers: int, report: dict) -> dict:
+    overall = report["overall"]
+    admitted = sum(1 for caller in report["per_caller"] if not caller.get("error"))
+    row = {"preset": preset, "run": label, "callers": callers, "admitted": admitted,
+           "p50_ms": overall.get("p50_ms"), "p99_ms": overall.get("p99_ms"), "max_ms": overall.get("max_ms"),
+           "late": overall.get("late"), "frames": overall.get("frames"), "frames_per_tick": report["frames_per_tick"],
+           "mean_tick_ms": None if report["tick_realtime_factor"] is None else round(report["tick_realtime_factor"] * 80, 1),
+           "equal_to_solo": report["all_equal_to_solo"]}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--callers", nargs="+", type=int, default=None, help="caller counts (default 1..--max-callers)")
+    parser.add_argument("--max-callers", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--stagger", type=float, default=0.37)
+    parser.add_argument("--compare", action="store_true", help="also check every answer against its solo run")
+    parser.add_argument("--auto", action="store_true", help="also offer 2x the largest on-time N to a --max-sessions auto server")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    counts = args.callers or list(range(1, args.max_callers + 1))
+    speech = read_audio(sample_speech(), 16_000)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in args.presets:
+            model = Path(tmp) / preset
+            subprocess.run([sys.executable, "-m", "mlx_voicechat_plugin.cli.main", "demo", "build", str(model),
+                            "--preset", preset], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            print(f"# {preset}: load average {os.getloadavg()}", flush=True)
+            on_time = 0
+            with Server(model, "--max-sessions", str(max(counts))) as server:
+                for callers in counts:
+                    row = _row(preset, "gather", callers, _load(server.url, callers, args, speech))
+                    rows.append(row)
+                    if row["p99_ms"] is not None and row["p99_ms"] < TARGET_MS and row["admitted"] == callers:
+                        on_time = max(on_time, callers)
+            largest = max(counts)
+            with Server(model, "--max-sessions", str(largest), "--tick-gather", "0") as server:
+                rows.append(_row(preset, "no gather", largest, _load(server.url, largest, args, speech)))
+            solo = next((row for row in rows if row["preset"] == preset and row["run"] == "gather" and row["callers"] == 1), None)
+            many = next(row for row in rows if row["preset"] == preset and row["run"] == "gather" and row["callers"] == largest)
+            summary = {"preset": preset, "largest_on_time": on_time}
+            if solo and solo["mean_tick_ms"] and many["mean_tick_ms"]:
+                summary["tick_ratio"] = round(many["mean_tick_ms"] / solo["mean_tick_ms"], 2)
+                summary["tick_ratio_sessions"] = many["frames_per_tick"]
+            if args.auto and on_time:
+                with Server(model, "--max-sessions", "auto") as server:
+                    row = _row(preset, "auto", 2 * on_time, _load(server.url, 2 * on_time, args, speech))
+                    rows.append(row)
+                    summary["auto_offered"], summary["auto_admitted"], summary["auto_p99_ms"] = 2 * on_time, row["admitted"], row["p99_ms"]
+            print("# summary " + json.dumps(summary), flush=True)
+            rows.append({"summary": summary})
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

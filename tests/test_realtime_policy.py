@@ -1,0 +1,153 @@
+"""The real-time policy's parts on their own: the tick budget's prediction and admission,
+the tick gather's hold, and the lag clock's due times (fake clocks, no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mlx_voicechat_plugin.server.lag_clock import LagClock
+from mlx_voicechat_plugin.server.tick_budget import RECENT_SECONDS, TickBudget
+from mlx_voicechat_plugin.server.tick_gather import LIVE_SECONDS, TickGather
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_budget_admits_the_first_session_and_while_unknown():
+    budget = TickBudget(fraction=0.5)
+    assert budget.admits(1) and budget.admits(2) and budget.p95(3) is None
+
+
+def test_budget_uses_own_ticks_then_scales_from_smaller_sizes():
+    clock = Clock()
+    budget = TickBudget(fraction=0.9, clock=clock)  # limit 72 ms
+    for _ in range(5):
+        budget.observe(1, 0.020)
+        budget.observe(2, 0.030)
+    assert budget.p95(2) == pytest.approx(0.030)
+    assert budget.p95(4) == pytest.approx(0.060)  # 30 ms x 4 / 2
+    assert budget.admits(4) and not budget.admits(5)  # 75 ms > 72 ms
+    for _ in range(5):
+        budget.observe(5, 0.040)  # measured: batching is cheaper than the scaled estimate
+    assert budget.admits(5) and budget.capacity(16) >= 5
+    assert budget.capacity(3) == 3
+
+
+def test_budget_refuses_a_size_whose_p95_is_over_the_limit():
+    budget = TickBudget(fraction=0.5)  # 40 ms
+    for seconds in (0.02, 0.02, 0.03, 0.09):
+        budget.observe(2, seconds)
+    assert budget.p95(2) > 0.04 and not budget.admits(2) and budget.capacity(8) == 1
+
+
+def test_live_ticks_expire_back_to_the_warm_up_baseline():
+    clock = Clock()
+    budget = TickBudget(fraction=0.9, clock=clock)
+    for _ in range(3):
+        budget.observe(3, 0.030, warm_up=True)
+    for _ in range(10):
+        budget.observe(3, 0.200)  # a burst of load elsewhere on the machine
+    assert not budget.admits(3)
+    clock.now += RECENT_SECONDS + 1
+    assert budget.p95(3) == pytest.approx(0.030) and budget.admits(3)
+
+
+def test_budget_off_and_bad_fractions():
+    off = TickBudget(fraction=math.inf)
+    off.observe(2, 10.0)
+    off.observe(2, 10.0)
+    off.observe(2, 10.0)
+    assert off.admits(2)
+    for bad in (0, -1, "0.5", True):
+        with pytest.raises(ValueError):
+            TickBudget(fraction=bad)
+
+
+def test_gather_waits_for_live_sessions_only_and_at_most_the_window():
+    clock = Clock()
+    gather = TickGather(0.08, clock=clock)
+    gather.pushed("a")
+    gather.pushed("b")
+    gather.ticked()
+    clock.now += 0.05
+    gather.pushed("a")  # a's next frame; b's is due
+    assert gather.wait_seconds({"a"}, ["a", "b"]) == pytest.approx(0.08)
+    assert gather.wait_seconds({"a"}, ["a", "b"], expected_tick=0.03) == pytest.approx(0.05)
+    clock.now += 0.03
+    assert gather.wait_seconds({"a"}, ["a", "b"]) == pytest.approx(0.05)
+    gather.pushed("b")
+    assert gather.wait_seconds({"a", "b"}, ["a", "b"]) == 0.0  # everyone is ready
+    clock.now += 0.1
+    assert gather.wait_seconds({"a"}, ["a", "b"]) == 0.0  # the window has passed
+    gather.ticked()
+    clock.now += LIVE_SECONDS + 0.1
+    gather.pushed("a")
+    assert gather.wait_seconds({"a"}, ["a", "b"]) == 0.0  # b went quiet: not waited for
+    assert TickGather(0.0).wait_seconds({"a"}, ["a", "b"]) == 0.0
+
+
+def test_lag_clock_paces_bursts_and_resets_after_pauses():
+    clock = Clock()
+    lag = LagClock(0.08, clock=clock)
+    lag.pushed(3)  # three frames at once: due now, +80 ms, +160 ms
+    clock.now += 0.05
+    assert lag.answered() == pytest.approx(0.05)
+    assert lag.answered() == pytest.approx(-0.03)  # answered ahead of real time
+    clock.now += 0.5
+    assert lag.answered() == pytest.approx(0.39)
+    assert lag.answered() is None and lag.pending == 0
+    clock.now += 10.0  # a pause: the next frame is due when it arrives
+    lag.pushed(1, at=clock.now - 0.01)
+    assert lag.answered() == pytest.approx(0.01)
+
+
+def test_lag_clock_restarts_after_the_prompt_prefill():
+    clock = Clock()
+    lag = LagClock(0.08, clock=clock)
+    lag.pushed(1)
+    clock.now += 0.5
+    lag.pushed(1)  # both waited for the system prompt
+    clock.now += 5.0
+    lag.restart()  # the prompt is done: due from now, one per frame
+    assert lag.answered() == pytest.approx(0.0)
+    clock.now += 0.1
+    assert lag.answered() == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ws://example.com/v1/realtime"],
+        ["ws://10.0.0.1:8080/v1/realtime"],
+        ["http://127.0.0.1:8080/v1/realtime"],
+        ["ws://127.0.0.1:8080/v1/realtime", "--callers", "0"],
+        ["ws://127.0.0.1:8080/v1/realtime", "--seconds", "-1"],
+        ["ws://127.0.0.1:8080/v1/realtime", "--wav", "/nonexistent.wav"],
+        ["ws://127.0.0.1:8080/v1/realtime", "--unknown"],
+    ],
+)
+def test_loadtest_refuses_other_hosts_and_bad_options(argv, capsys):
+    from mlx_voicechat_plugin.clients.load_test import main
+
+    assert main(argv) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_load_test_inputs_differ_per_caller():
+    import numpy as np
+
+    from mlx_voicechat_plugin.clients.load_test import caller_input, latency_summary
+
+    base = np.linspace(-0.5, 0.5, 16_000, dtype=np.float32)
+    one, two = caller_input(base, 0, 2.0), caller_input(base, 1, 2.0)
+    assert one.size == two.size == 25 * 1280 and not np.array_equal(one, two)
+    assert np.array_equal(two[3840 : 3840 + 100], base[:100])  # 0.24 s of silence first
+    summary = latency_summary([0.05, 0.1, 0.2])
+    assert summary["frames"] == 3 and summary["late"] == 1 and summary["max_ms"] == 200.0

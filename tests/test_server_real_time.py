@@ -1,0 +1,159 @@
+"""Real time under load, through the server: paced callers (the load test, short), the
+batch-size warm-up, admission by the tick budget below ``--max-sessions`` (``/ready`` 503,
+``server_busy``), a session falling behind real time closed by ``max_lag``, and the
+command-line options that set them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from mlx_voicechat_plugin.clients.load_test import run_load
+from mlx_voicechat_plugin.demo.sample import sample_speech
+from mlx_voicechat_plugin.runtime.audio_io import read_audio
+from mlx_voicechat_plugin.runtime.batch import BatchedEngine
+from mlx_voicechat_plugin.server.engine import AUTO_MAX_SESSIONS, RealtimeEngine
+
+from .test_server_access import _free_port
+from .test_server_support import FRAME, Closed, ServerHandle, append, http, server_settings
+
+
+def _engine(tiny, **options) -> RealtimeEngine:
+    from mlx_voicechat_plugin.loading import load
+
+    engine = RealtimeEngine(lambda: load(tiny), **options)
+    engine.start(timeout=180)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def four(tiny):
+    engine = _engine(tiny, max_sessions=4)
+    yield engine
+    engine.stop()
+
+
+def _rejected(server, reason: str) -> float:
+    _, text = http("GET", server.http_url("/metrics"))
+    line = next(line for line in text.splitlines() if line.startswith(f'voicechat_rejected_connections_total{{reason="{reason}"}}'))
+    return float(line.split()[-1])
+
+
+def test_warm_up_ran_every_batch_size_before_serving(four):
+    assert four.budget.warmed_sizes == [1, 2, 3, 4]
+    assert all(four.budget.p95(rows) is not None for rows in (1, 2, 3, 4))
+
+
+def test_paced_callers_are_on_time_and_equal_to_their_solo_runs(tiny, four):
+    speech = read_audio(sample_speech(), 16_000)
+    with ServerHandle(server_settings(tiny), four) as server:
+        report = asyncio.run(run_load(server.ws_url, 4, 2.4, 0.37, [speech], "default", timeout=240))
+    print({key: report[key] for key in ("overall", "server_lag", "frames_per_tick", "tick_realtime_factor")})
+    assert report["errors"] == []
+    assert report["all_equal_to_solo"] is True
+    assert report["overall"]["frames"] == 4 * 30
+    # Gathered: the four callers' frames mostly share ticks (without the gather, about one each).
+    assert report["frames_per_tick"] > 1.5, report
+    # The suite's lenient bound (a loaded CI machine); the benchmark's target is 160 ms.
+    assert report["overall"]["p99_ms"] < 500, report["overall"]
+
+
+def test_openai_dialect_callers_under_load(tiny, four):
+    speech = read_audio(sample_speech(), 16_000)
+    with ServerHandle(server_settings(tiny), four) as server:
+        report = asyncio.run(run_load(server.ws_url, 2, 2.0, 0.2, [speech], "openai", timeout=120))
+    assert report["errors"] == []
+    # every paced frame was run and timed (the last may wait in the server's 24 -> 16 kHz resampler)
+    assert report["server_lag"]["frames"] >= 2 * 24
+
+
+def test_the_tick_budget_refuses_below_max_sessions(tiny):
+    engine = _engine(tiny, max_sessions=3, tick_budget=0.001)  # 80 us: no second session fits
+    try:
+        assert engine.budget.warmed_sizes == [1, 2]  # the warm-up stops at the first size over budget
+        with ServerHandle(server_settings(tiny), engine) as server:
+            assert http("GET", server.http_url("/ready"))[0] == 200
+            with server.connect() as first:
+                first.configure(seed=0)
+                status, body = http("GET", server.http_url("/ready"))
+                assert status == 503 and body["sessions_active"] == 1 and body["sessions_max"] == 3
+                before = _rejected(server, "tick_budget")
+                with server.connect() as second:
+                    error = second.recv()
+                    while error["type"] != "error":
+                        error = second.recv()
+                    assert error["error"]["code"] == "server_busy"
+                    assert "real-time capacity" in error["error"]["message"]
+                    with pytest.raises(Closed) as closed:
+                        second.recv()
+                    assert closed.value.code == 1013
+                assert _rejected(server, "tick_budget") == before + 1
+                first.send({"type": "session.cancel"})
+                assert first.until_closed()[1] == 1000
+            server.wait_slot_free()
+            assert http("GET", server.http_url("/ready"))[0] == 200
+    finally:
+        engine.stop()
+
+
+def test_a_session_far_behind_real_time_is_closed(tiny, monkeypatch):
+    engine = _engine(tiny, max_sessions=2, max_lag=0.3, warm_up=False)
+    try:
+        original = BatchedEngine.tick
+
+        def slow_tick(self):  # an overloaded machine: 150 ms per 80 ms frame
+            time.sleep(0.15)
+            return original(self)
+
+        monkeypatch.setattr(BatchedEngine, "tick", slow_tick)
+        with ServerHandle(server_settings(tiny), engine) as server:
+            with server.connect() as client:
+                client.configure(seed=0)
+                start = time.monotonic()
+                events = []
+                for k in range(40):  # paced on the wall clock
+                    time.sleep(max(0.0, start + k * 0.08 - time.monotonic()))
+                    try:
+                        client.send(append(np.zeros(FRAME, np.float32)))
+                    except Exception:  # noqa: BLE001 - closed by the server meanwhile
+                        break
+                with pytest.raises(Closed) as closed:
+                    while True:
+                        events.append(client.recv(timeout=30))
+                assert closed.value.code == 1013
+            errors = [event for event in events if event["type"] == "error"]
+            assert errors and errors[-1]["error"]["code"] == "server_busy"
+            assert "behind real time" in errors[-1]["error"]["message"]
+            audio = [event for event in events if event["type"] == "response.audio.delta"]
+            assert 3 <= len(audio) < 20  # closed once the lag passed 0.3 s, not at the end
+            _, text = http("GET", server.http_url("/metrics"))
+            assert "voicechat_sessions_lagging_total 1.0" in text
+            assert "voicechat_frames_late_total" in text
+            server.wait_slot_free()
+    finally:
+        monkeypatch.undo()
+        engine.stop()
+
+
+def test_serve_options_reach_the_engine(tiny, monkeypatch):
+    from mlx_voicechat_plugin.server import cli, serving
+
+    captured = {}
+
+    def fake_run(server, sockets=None):
+        captured["engine"] = server.config.app.state.engine
+
+    monkeypatch.setattr(serving.VoiceChatServer, "run", fake_run)
+    monkeypatch.setattr(RealtimeEngine, "_run_warm_up", lambda self: None)
+    argv = ["--model", str(tiny), "--port", str(_free_port())]
+    assert cli.main(argv + ["--max-sessions", "auto", "--tick-budget", "0.5", "--max-lag", "3"], hard_exit=False) == 0
+    engine = captured["engine"]
+    assert engine.auto and engine.max_sessions == AUTO_MAX_SESSIONS
+    assert engine.budget.fraction == 0.5 and engine.max_lag == 3.0
+    assert cli.main(argv, hard_exit=False) == 0
+    assert captured["engine"].max_lag is None  # one slot: the spec's behaviour, no lag bound
+    for bad in (["--tick-budget", "0"], ["--max-lag", "-1"], ["--max-sessions", "many"], ["--tick-budget", "x"], ["--tick-gather", "-0.1"]):
+        assert cli.main(argv + bad, hard_exit=False) == 2
