@@ -16,6 +16,9 @@ frames, frames per tick and the mean tick; then:
 * the batched tick of the largest N against one caller's tick (mean tick per tick, from the
   server's ``/metrics``), the ratio the batched engine targets at <= 1.6.
 
+``--soak`` (with long ``--seconds``, e.g. 600) also prints, per minute of audio, the latency
+p50 / p99 over all callers and the server process's resident memory (sampled every 10 s).
+
 State the machine's load with the figures (the script prints ``os.getloadavg()`` before each
 preset). Loopback only; every run is bounded in time.
 """
@@ -82,9 +85,34 @@ class Server:
             self.process.kill()
 
 
-def _load(url: str, callers: int, args, speech) -> dict:
-    return asyncio.run(run_load(url, callers, args.seconds, args.stagger, [speech], "default",
-                                timeout=600, compare=args.compare))
+def _load(url: str, callers: int, args, speech, server: Server | None = None) -> dict:
+    import threading
+
+    import psutil
+
+    rss: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def sample():
+        process = psutil.Process(server.process.pid)
+        began = time.monotonic()
+        while not stop.wait(10.0):
+            rss.append((round(time.monotonic() - began), round(process.memory_info().rss / 2**20, 1)))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    if args.soak and server is not None:
+        sampler.start()
+    try:
+        report = asyncio.run(run_load(url, callers, args.seconds, args.stagger, [speech], "default",
+                                      timeout=args.seconds + 600, compare=args.compare))
+    finally:
+        stop.set()
+    if args.soak:
+        for minute in report["per_minute"]:
+            print("#   " + json.dumps(minute), flush=True)
+        print(f"#   server RSS MiB every 10 s: {[value for _, value in rss]}", flush=True)
+        report["rss_mib"] = rss
+    return report
 
 
 def _row(preset: str, label: str, callers: int, report: dict) -> dict:
@@ -108,6 +136,8 @@ def main() -> int:
     parser.add_argument("--stagger", type=float, default=0.37)
     parser.add_argument("--compare", action="store_true", help="also check every answer against its solo run")
     parser.add_argument("--auto", action="store_true", help="also offer 2x the largest on-time N to a --max-sessions auto server")
+    parser.add_argument("--soak", action="store_true", help="per-minute latency and server RSS (long --seconds)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run with the tick gather off")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     counts = args.callers or list(range(1, args.max_callers + 1))
@@ -122,15 +152,16 @@ def main() -> int:
             on_time = 0
             with Server(model, "--max-sessions", str(max(counts))) as server:
                 for callers in counts:
-                    row = _row(preset, "gather", callers, _load(server.url, callers, args, speech))
+                    row = _row(preset, "gather", callers, _load(server.url, callers, args, speech, server))
                     rows.append(row)
                     if row["p99_ms"] is not None and row["p99_ms"] < TARGET_MS and row["admitted"] == callers:
                         on_time = max(on_time, callers)
             largest = max(counts)
-            with Server(model, "--max-sessions", str(largest), "--tick-gather", "0") as server:
-                rows.append(_row(preset, "no gather", largest, _load(server.url, largest, args, speech)))
-            solo = next((row for row in rows if row["preset"] == preset and row["run"] == "gather" and row["callers"] == 1), None)
-            many = next(row for row in rows if row["preset"] == preset and row["run"] == "gather" and row["callers"] == largest)
+            if not args.no_baseline:
+                with Server(model, "--max-sessions", str(largest), "--tick-gather", "0") as server:
+                    rows.append(_row(preset, "no gather", largest, _load(server.url, largest, args, speech)))
+            solo = next((row for row in rows if row.get("preset") == preset and row["run"] == "gather" and row["callers"] == 1), None)
+            many = next(row for row in rows if row.get("preset") == preset and row["run"] == "gather" and row["callers"] == largest)
             summary = {"preset": preset, "largest_on_time": on_time}
             if solo and solo["mean_tick_ms"] and many["mean_tick_ms"]:
                 summary["tick_ratio"] = round(many["mean_tick_ms"] / solo["mean_tick_ms"], 2)

@@ -53,6 +53,7 @@ class CallerResult:
 
     index: int
     latencies: list[float] = field(default_factory=list)
+    frame_indices: list[int] = field(default_factory=list)  # the frame of each latency
     answer: list[tuple] = field(default_factory=list)  # per frame: (text token id, codes)
     close_code: int | None = None
     error: str | None = None
@@ -127,6 +128,7 @@ async def run_caller(url: str, index: int, samples: np.ndarray, start_at: float 
                         frame = event["frame_index"]
                         if frame < len(sent):
                             result.latencies.append(time.monotonic() - sent[frame])
+                            result.frame_indices.append(frame)
                         result.answer.append((text_ids.get(frame), _audio_frame(event)))
                     elif kind == "error":
                         result.error = f"{event['error']['code']}: {event['error']['message']}"
@@ -229,9 +231,14 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
     ticks = after.get("voicechat_tick_seconds_count", 0) - before.get("voicechat_tick_seconds_count", 0)
     tick_sum = after.get("voicechat_tick_seconds_sum", 0) - before.get("voicechat_tick_seconds_sum", 0)
     frames = after.get("voicechat_frames_processed_total", 0) - before.get("voicechat_frames_processed_total", 0)
+    minutes: dict[int, list[float]] = {}
+    for result in results:
+        for frame, latency in zip(result.frame_indices, result.latencies):
+            minutes.setdefault(int(frame * FRAME_SECONDS // 60), []).append(latency)
     return {
         "callers": callers,
         "dialect": dialect,
+        "per_minute": [{"minute": minute + 1, **latency_summary(values)} for minute, values in sorted(minutes.items())],
         "per_caller": [result.summary() for result in results],
         "overall": latency_summary([x for result in results for x in result.latencies]),
         "server_lag": _lag_quantiles(before, after),

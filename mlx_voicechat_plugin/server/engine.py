@@ -21,8 +21,9 @@ load"): a tick waits for every live session's frame (:mod:`.tick_gather`); a new
 admitted only while the predicted p95 tick with one more session fits the frame budget
 (:mod:`.tick_budget`; ``max_sessions="auto"`` admits by that rule alone); every batch size
 that can be admitted is run once before the first session (warm-up), so no live tick pays a
-first-time shape; and a session whose frames are answered more than ``max_lag`` seconds
-behind real time (:mod:`.lag_clock`) gets ``server_busy`` and is closed.
+first-time shape; and when frames are answered more than ``max_lag`` seconds behind real
+time (:mod:`.lag_clock`), the newest lagging session gets ``server_busy`` and is closed (at
+most one every ``max_lag`` seconds, so the others catch up).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,6 +156,8 @@ class RealtimeEngine:
         self._warm_up = several if warm_up is None else bool(warm_up)
         self._lag: dict[str, LagClock] = {}
         self._prefilling: set[str] = set()
+        self._last_lag: dict[str, float] = {}
+        self._shed_hold_until = 0.0
         self.metrics = ServerMetrics(max_sessions)
         self._commands: queue.Queue[_Command | None] = queue.Queue()
         self._slot_lock = threading.Lock()
@@ -369,14 +373,15 @@ class RealtimeEngine:
                 self._prefilling.discard(session_id)
                 if session_id in self._lag:
                     self._lag[session_id].restart()
+        shed = self._shed(results)
         for session_id, result in results.items():
             waiting = self._waiting.get(session_id)
             if waiting is None:  # nobody asked (cannot happen: every ready session waits)
                 continue
             future, events = waiting
             events.extend(serialize_event(event) for event in result.events)
-            lag = self._answered(session_id, result)
-            if lag is not None and self.max_lag is not None and lag > self.max_lag and not result.finished:
+            if session_id == shed:
+                lag = self._last_lag[session_id]
                 del self._waiting[session_id]
                 self._close_session(session_id)
                 self.metrics.sessions_lagging.inc()
@@ -400,9 +405,24 @@ class RealtimeEngine:
 
     def _gather_hold(self) -> float:
         """Seconds the next tick waits for the other live sessions (:mod:`.tick_gather`)."""
-        open_ids = self._batch.session_ids
-        expected = self.budget.p95(len(open_ids)) or 0.0
-        return self._gather.wait_seconds(set(self._waiting), open_ids, expected)
+        return self._gather.wait_seconds(set(self._waiting), self._batch.session_ids)
+
+    def _shed(self, results: dict) -> str | None:
+        """The session to close for lag this tick, if any: the newest of those whose frame
+        was answered more than ``max_lag`` behind real time, at most one every ``max_lag``
+        seconds (the others then catch up, their ticks shorter by its row)."""
+        lagging = []
+        for session_id, result in results.items():
+            lag = self._answered(session_id, result)
+            if lag is not None:
+                self._last_lag[session_id] = lag
+                if self.max_lag is not None and lag > self.max_lag and not result.finished:
+                    lagging.append(session_id)
+        if not lagging or time.monotonic() < self._shed_hold_until:
+            return None
+        self._shed_hold_until = time.monotonic() + self.max_lag
+        order = self._batch.session_ids
+        return max(lagging, key=lambda session_id: order.index(session_id) if session_id in order else -1)
 
     def _answered(self, session_id: str, result) -> float | None:
         """Lag (s) of the frame this tick ran for ``session_id`` (None when it ran none)."""
@@ -420,6 +440,7 @@ class RealtimeEngine:
 
     def _forget(self, session_id: str) -> None:
         self._lag.pop(session_id, None)
+        self._last_lag.pop(session_id, None)
         self._prefilling.discard(session_id)
         self._gather.forget(session_id)
 

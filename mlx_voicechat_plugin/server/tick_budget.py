@@ -4,11 +4,13 @@ session keeps the engine's p95 tick inside the frame budget.
 The engine advances every live session by one 80 ms frame per tick, so a tick that takes
 longer than a frame makes every session fall behind together. :class:`TickBudget` keeps the
 last :data:`WINDOW` tick times for each number of rows (sessions stepped together) and
-predicts the p95 tick of ``n`` rows: from ``n``'s own ticks of the last
-:data:`RECENT_SECONDS` when there are at least :data:`MIN_SAMPLES`; else from the warm-up's
-ticks of ``n`` rows (run before the first session, :meth:`observe` with ``warm_up=True``);
-else scaled linearly from the largest smaller size known (batching is sub-linear, so that
-estimate errs on the safe side). Old live ticks expire, so a burst of load that made a size
+predicts the p95 tick of ``n`` rows as the larger of two estimates: ``n``'s own ticks of the
+last :data:`RECENT_SECONDS` when there are at least :data:`MIN_SAMPLES` (else the warm-up's
+ticks of ``n`` rows, run before the first session: :meth:`observe` with ``warm_up=True``),
+and the largest smaller known size's p95 carried over to ``n`` by the warm-up's ratio
+between the two sizes (linearly when the warm-up lacks one: batching is sub-linear, so that
+errs on the safe side). Live ticks slower than the warm-up's thus raise the next size's
+estimate as well. Old live ticks expire, so a burst of load that made a size
 look too slow does not refuse it forever. A new session is admitted only while the
 prediction for one more row stays within ``fraction`` x the frame; the first session is
 always admitted (it delays nobody).
@@ -68,31 +70,40 @@ class TickBudget:
         else:
             self._ticks.setdefault(rows, collections.deque(maxlen=WINDOW)).append((self._clock(), float(seconds)))
 
-    def _measured(self, rows: int) -> float | None:
-        """p95 of ``rows``'s recent live ticks, else of its warm-up ticks, else None."""
-        since = self._clock() - RECENT_SECONDS
-        recent = [seconds for at, seconds in self._ticks.get(rows, ()) if at >= since]
-        if len(recent) < MIN_SAMPLES:
-            recent = self._warm_up.get(rows, [])
-        if len(recent) < MIN_SAMPLES:
-            return None
-        return float(np.quantile(np.asarray(recent), 0.95))
-
     @property
     def warmed_sizes(self) -> list[int]:
         """Batch sizes the warm-up ran, ascending."""
         return sorted(self._warm_up)
 
+    def _live(self, rows: int) -> float | None:
+        """p95 of ``rows``'s live ticks of the last :data:`RECENT_SECONDS`, or None."""
+        since = self._clock() - RECENT_SECONDS
+        recent = [seconds for at, seconds in self._ticks.get(rows, ()) if at >= since]
+        return float(np.quantile(np.asarray(recent), 0.95)) if len(recent) >= MIN_SAMPLES else None
+
+    def _warm(self, rows: int) -> float | None:
+        """p95 of ``rows``'s warm-up ticks, or None."""
+        ticks = self._warm_up.get(rows, [])
+        return float(np.quantile(np.asarray(ticks), 0.95)) if len(ticks) >= MIN_SAMPLES else None
+
     def p95(self, rows: int) -> float | None:
-        """Predicted p95 tick (seconds) for ``rows`` sessions, or None with no data at all."""
-        own = self._measured(rows)
-        if own is not None:
-            return own
+        """Predicted p95 tick (seconds) for ``rows`` sessions, or None with no data at all.
+
+        The larger of ``rows``'s own p95 (live, else warm-up) and the largest smaller known
+        size's p95 carried over to ``rows`` -- by the warm-up's ratio between the two sizes
+        when it ran both, else linearly -- so that live input costlier than the warm-up's
+        (speech, longer caches, a busier machine) raises the estimate of the next size too.
+        """
+        own = self._live(rows) or self._warm(rows)
         for size in range(rows - 1, 0, -1):
-            known = self._measured(size)
-            if known is not None:
-                return known * rows / size
-        return None
+            base = self._live(size) or self._warm(size)
+            if base is None:
+                continue
+            warm_rows, warm_size = self._warm(rows), self._warm(size)
+            ratio = warm_rows / warm_size if warm_rows and warm_size else rows / size
+            carried = base * ratio
+            return carried if own is None else max(own, carried)
+        return own
 
     def admits(self, rows: int) -> bool:
         """True when a tick of ``rows`` sessions is predicted within the budget (always for

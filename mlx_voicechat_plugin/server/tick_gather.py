@@ -4,8 +4,9 @@ Callers' frames arrive out of phase. Ticking as soon as any session has a frame 
 80 ms period into several small batches whose total cost exceeds the frame clock, and then
 every session falls behind together. :class:`TickGather` holds a tick back until every
 *live* session (one that pushed audio within :data:`LIVE_SECONDS`) has its frame ready, or
-until the first waiting frame has waited ``window`` minus the expected tick time (so that
-the first frame is still answered within ``window`` of its arrival), whichever comes first. A
+until the first waiting frame has waited ``window`` seconds, whichever comes first (so a
+frame waits at most ``window`` plus one tick). The window is not shortened when ticks grow
+long: a loaded engine needs the gather most, and splitting its ticks would cost it more. A
 session that has gone quiet (between push-to-talk turns, after its last append) is not
 waited for once it stops being live; one session alone is never held back.
 """
@@ -55,13 +56,12 @@ class TickGather:
         """A tick ran: the next one gathers afresh."""
         self._first_ready = None
 
-    def wait_seconds(self, ready: set[str], open_ids, expected_tick: float = 0.0) -> float:
+    def wait_seconds(self, ready: set[str], open_ids) -> float:
         """Seconds to hold the tick for more frames (0: tick now).
 
         Args:
             ready: sessions waiting for the tick.
             open_ids: every open session.
-            expected_tick: the tick's expected duration (s) with every open session.
         """
         if not ready or self.window <= 0 or self._first_ready is None:
             return 0.0
@@ -73,4 +73,4 @@ class TickGather:
         ]
         if not missing:
             return 0.0
-        return max(0.0, self._first_ready + self.window - expected_tick - now)
+        return max(0.0, self._first_ready + self.window - now)
