@@ -113,8 +113,8 @@ class RealtimeEngine:
         max_sessions: sessions served at once (default 1, the spec's single slot), or
             ``"auto"``: as many as the tick budget admits (at most :data:`AUTO_MAX_SESSIONS`).
         tick_budget: with more than one slot, the share of the 80 ms frame the predicted
-            p95 tick may take for a new session to be admitted (default 0.9; ``math.inf``
-            turns the rule off).
+            p95 tick with one more session may take for it to be admitted (default 0.9;
+            ``math.inf`` turns the rule off; :mod:`.tick_budget`).
         max_lag: seconds a session's frames may be answered behind real time before it gets
             ``server_busy`` and is closed (default 2 s with more than one slot, None = no
             bound with one slot).
@@ -453,8 +453,8 @@ class RealtimeEngine:
 
     def _run_warm_up(self) -> None:
         """Run every batch size that can be admitted (1 .. ``max_sessions``, stopping after
-        the first whose p95 tick exceeds the budget) for :data:`WARM_UP_TICKS` frames of
-        quiet noise, so that no live tick pays a first-time shape; the last three ticks of
+        the first whose p95 tick exceeds the budget's share of a frame) for
+        :data:`WARM_UP_TICKS` frames of quiet noise, so that no live tick pays a first-time shape; the last three ticks of
         each size seed :attr:`budget`."""
         import numpy as np
 
