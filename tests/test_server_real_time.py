@@ -44,7 +44,7 @@ def _rejected(server, reason: str) -> float:
 
 def test_warm_up_ran_every_batch_size_before_serving(four):
     assert four.budget.warmed_sizes == [1, 2, 3, 4]
-    assert all(four.budget.warm_p95(rows) is not None for rows in (1, 2, 3, 4))
+    assert all(four.budget.warm_median(rows) is not None for rows in (1, 2, 3, 4))
 
 
 def test_paced_callers_are_on_time_and_equal_to_their_solo_runs(tiny, four):

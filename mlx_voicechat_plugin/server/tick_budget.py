@@ -11,11 +11,15 @@ predicts the p95 tick of ``n`` rows from
   costlier than the warm-up's (speech, longer caches, a busier machine) raises the estimate;
   and a client sending faster than real time does not, since it is the tick's time that
   counts, not how often it runs;
-* the warm-up's own p95 tick of ``n`` rows (run before the first session,
-  :meth:`observe` with ``warm_up=True``): a size whose tick is too long is never admitted;
+* the warm-up's median tick of ``n`` rows (run before the first session,
+  :meth:`observe` with ``warm_up=True``; the median, so that one slow tick of a few does not
+  refuse a size for good): a size whose tick is too long is never admitted;
 
 whichever is larger, and admits a session only while it stays within ``fraction`` x the
-frame (72 ms by default). The first session is always admitted (it delays nobody).
+frame (72 ms by default) and while the sessions already running are on time: no session is
+admitted while the p95 lag of the frames answered in the last :data:`RECENT_SECONDS`
+(:meth:`observe_lag`) is over :data:`LATE_SECONDS`. The first session is always admitted
+(it delays nobody).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ RECENT_SECONDS = 3.0
 MIN_SAMPLES = 3
 #: Default budget: the predicted p95 tick may take this fraction of the 80 ms frame.
 DEFAULT_FRACTION = 0.9
+#: No session is admitted while recent frames' p95 lag is over this (s): two frames.
+LATE_SECONDS = 0.16
 
 
 class TickBudget:
@@ -56,6 +62,7 @@ class TickBudget:
         self._ticks: collections.deque[tuple[float, int, float]] = collections.deque(maxlen=1024)
         self._warm_up: dict[int, list[float]] = {}
         self._warm_cache: dict[int, float | None] = {}
+        self._lags: collections.deque[tuple[float, float]] = collections.deque(maxlen=1024)
 
     def observe(self, rows: int, seconds: float, *, warm_up: bool = False) -> None:
         """Record a tick that stepped ``rows`` sessions in ``seconds`` (``warm_up``: a tick
@@ -68,16 +75,28 @@ class TickBudget:
         else:
             self._ticks.append((self._clock(), rows, float(seconds)))
 
+    def observe_lag(self, seconds: float) -> None:
+        """Record one frame's lag (:mod:`.lag_clock`)."""
+        self._lags.append((self._clock(), float(seconds)))
+
+    def late(self) -> bool:
+        """True while the p95 lag of the last :data:`RECENT_SECONDS` is over
+        :data:`LATE_SECONDS` (the running sessions are behind)."""
+        since = self._clock() - RECENT_SECONDS
+        recent = [seconds for at, seconds in self._lags if at >= since]
+        return len(recent) >= MIN_SAMPLES and float(np.quantile(np.asarray(recent), 0.95)) > LATE_SECONDS
+
     @property
     def warmed_sizes(self) -> list[int]:
         """Batch sizes the warm-up ran, ascending."""
         return sorted(self._warm_up)
 
-    def warm_p95(self, rows: int) -> float | None:
-        """p95 of the warm-up's ticks of ``rows`` rows (seconds), or None."""
+    def warm_median(self, rows: int) -> float | None:
+        """Median of the warm-up's ticks of ``rows`` rows (seconds; robust to one slow
+        tick of a few), or None."""
         if rows not in self._warm_cache:
             ticks = self._warm_up.get(rows, [])
-            self._warm_cache[rows] = float(np.quantile(np.asarray(ticks), 0.95)) if len(ticks) >= MIN_SAMPLES else None
+            self._warm_cache[rows] = float(np.median(np.asarray(ticks))) if len(ticks) >= MIN_SAMPLES else None
         return self._warm_cache[rows]
 
     @property
@@ -87,7 +106,7 @@ class TickBudget:
 
     def _ratio(self, rows: int, sessions: int) -> float:
         """How much longer a tick of ``sessions`` rows takes than one of ``rows`` rows."""
-        low, high = self.warm_p95(rows), self.warm_p95(sessions)
+        low, high = self.warm_median(rows), self.warm_median(sessions)
         if low and high:
             return max(1.0, high / low) if sessions >= rows else high / low
         return sessions / rows
@@ -98,7 +117,7 @@ class TickBudget:
         since = self._clock() - RECENT_SECONDS
         carried = [seconds * self._ratio(rows, sessions) for at, rows, seconds in self._ticks if at >= since]
         live = float(np.quantile(np.asarray(carried), 0.95)) if len(carried) >= MIN_SAMPLES else None
-        warm = self.warm_p95(sessions)
+        warm = self.warm_median(sessions)
         known = [value for value in (live, warm) if value is not None]
         return max(known) if known else None
 
@@ -107,6 +126,8 @@ class TickBudget:
         the first session, and while nothing is known."""
         if sessions <= 1 or math.isinf(self.fraction):
             return True
+        if self.late():
+            return False
         predicted = self.p95(sessions)
         return predicted is None or predicted <= self.limit_seconds
 
