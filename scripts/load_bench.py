@@ -138,6 +138,7 @@ def main() -> int:
     parser.add_argument("--auto", action="store_true", help="also offer 2x the largest on-time N to a --max-sessions auto server")
     parser.add_argument("--soak", action="store_true", help="per-minute latency and server RSS (long --seconds)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run with the tick gather off")
+    parser.add_argument("--server-option", action="append", default=[], help="passed to every server, e.g. --server-option=--tick-budget=off")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     counts = args.callers or list(range(1, args.max_callers + 1))
@@ -150,7 +151,7 @@ def main() -> int:
                             "--preset", preset], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             print(f"# {preset}: load average {os.getloadavg()}", flush=True)
             on_time = 0
-            with Server(model, "--max-sessions", str(max(counts))) as server:
+            with Server(model, "--max-sessions", str(max(counts)), *args.server_option) as server:
                 for callers in counts:
                     row = _row(preset, "gather", callers, _load(server.url, callers, args, speech, server))
                     rows.append(row)
@@ -158,7 +159,7 @@ def main() -> int:
                         on_time = max(on_time, callers)
             largest = max(counts)
             if not args.no_baseline:
-                with Server(model, "--max-sessions", str(largest), "--tick-gather", "0") as server:
+                with Server(model, "--max-sessions", str(largest), "--tick-gather", "0", *args.server_option) as server:
                     rows.append(_row(preset, "no gather", largest, _load(server.url, largest, args, speech)))
             solo = next((row for row in rows if row.get("preset") == preset and row["run"] == "gather" and row["callers"] == 1), None)
             many = next(row for row in rows if row.get("preset") == preset and row["run"] == "gather" and row["callers"] == largest)

@@ -4,6 +4,7 @@ N+1th connection gets server_busy; /health, /ready and /metrics report the slots
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -23,7 +24,9 @@ def multi(tiny):
     """A server with three session slots (its own engine)."""
     from mlx_voicechat_plugin.loading import load
 
-    engine = RealtimeEngine(lambda: load(tiny), max_sessions=SLOTS)
+    # Slots only: the real-time budget (tests/test_server_real_time.py) could refuse a
+    # session below SLOTS on a loaded machine.
+    engine = RealtimeEngine(lambda: load(tiny), max_sessions=SLOTS, tick_budget=math.inf)
     engine.start(timeout=120)
     with ServerHandle(server_settings(tiny), engine) as handle:
         yield handle

@@ -45,6 +45,8 @@ def _port(text: str) -> int:
 
 
 def _fraction(text: str) -> float:
+    if text.strip().lower() == "off":
+        return float("inf")
     try:
         value = float(text)
     except ValueError:
@@ -120,7 +122,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-session-seconds", type=float, default=MAX_SESSION_SECONDS, help=argparse.SUPPRESS)
     parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help=argparse.SUPPRESS)
     parser.add_argument("--max-sessions", type=_sessions, default=1, help="conversations served at once, advanced together in one batched step per 80 ms frame; the next connection gets server_busy (default 1); 'auto': as many as the tick budget admits")
-    parser.add_argument("--tick-budget", type=_fraction, default=0.9, help="with several sessions: admit a new one only while the predicted p95 tick with it stays within this fraction of the 80 ms frame (default 0.9)")
+    parser.add_argument("--tick-budget", type=_fraction, default=0.9, help="with several sessions: admit a new one only while the predicted p95 tick with it stays within this fraction of the 80 ms frame (default 0.9; 'off': --max-sessions alone decides)")
     parser.add_argument("--tick-gather", type=_gather, default=None, help="with several sessions: longest a ready frame waits for the other live sessions' frames, in seconds (default 0.08, one frame; 0: tick at once)")
     parser.add_argument("--max-lag", type=_seconds, default=None, help="close a session (server_busy) whose frames are answered more than this many seconds behind real time (default 2 with several sessions; no bound with one)")
     parser.add_argument("--allowed-hosts", action="append", default=None, help="host names the server may be reached under besides IP addresses and localhost (DNS rebinding guard; comma/space separated; '*' for any)")
