@@ -38,6 +38,19 @@ def test_budget_carries_recent_ticks_over_linearly_without_a_warm_up():
     assert budget.p95(5) is None and budget.admits(5)
 
 
+def test_budget_carries_live_cost_over_by_the_warm_up_ratio():
+    clock = Clock()
+    budget = TickBudget(fraction=0.9, clock=clock)  # 72 ms
+    for _ in range(3):
+        budget.observe(1, 0.030, warm_up=True)
+        budget.observe(2, 0.045, warm_up=True)  # batching: 1.5x for twice the rows
+    assert budget.p95(2) == pytest.approx(0.045) and budget.admits(2)
+    for _ in range(5):
+        clock.now += 0.08
+        budget.observe(1, 0.050)  # live speech costs more than the warm-up's input
+    assert budget.p95(2) == pytest.approx(0.075) and not budget.admits(2)  # 50 ms x 1.5
+
+
 def test_the_warm_up_tick_of_a_size_is_a_floor():
     clock = Clock()
     budget = TickBudget(fraction=0.9, clock=clock)  # 72 ms
@@ -59,7 +72,7 @@ def test_a_client_faster_than_real_time_does_not_count_as_load():
     for _ in range(100):  # one unpaced session: a tick right after another
         clock.now += 0.02
         budget.observe(1, 0.020)
-    assert budget.p95(2) == pytest.approx(0.040) and budget.admits(2)
+    assert budget.p95(2) == pytest.approx(0.030) and budget.admits(2)
 
 
 def test_a_warm_up_tick_over_the_budget_refuses_that_size():
@@ -178,3 +191,19 @@ def test_no_session_is_admitted_while_the_running_ones_are_late():
         clock.now += 0.08
         budget.observe_lag(0.05)
     assert not budget.late() and budget.admits(3)
+
+
+def test_auto_admits_at_most_one_new_session_a_second():
+    import asyncio
+    import time
+
+    from mlx_voicechat_plugin.server.engine import AUTO_ADMIT_INTERVAL, AUTO_MAX_SESSIONS, RealtimeEngine
+
+    engine = RealtimeEngine(lambda: None, max_sessions="auto", warm_up=False)
+    assert engine.auto and engine.max_sessions == AUTO_MAX_SESSIONS
+    assert asyncio.run(engine.reserve("a", wait=0))
+    assert not asyncio.run(engine.reserve("b", wait=0)) and not engine.slot_free  # paced
+    time.sleep(AUTO_ADMIT_INTERVAL + 0.05)
+    assert engine.slot_free and asyncio.run(engine.reserve("b", wait=0))
+    fixed = RealtimeEngine(lambda: None, max_sessions=3, warm_up=False)
+    assert all(asyncio.run(fixed.reserve(name, wait=0)) for name in "abc")  # a fixed N is not paced

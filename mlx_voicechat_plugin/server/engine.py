@@ -63,6 +63,9 @@ RELEASE_POLL_SECONDS = 0.005
 BUSY_GRACE_SECONDS = 0.25
 #: Most sessions ``max_sessions="auto"`` may admit (the tick budget decides below it).
 AUTO_MAX_SESSIONS = 32
+#: With ``max_sessions="auto"``, seconds between two admissions beyond the first session:
+#: the budget sees each new session's own ticks before it admits the next.
+AUTO_ADMIT_INTERVAL = 1.0
 #: Default bound (s) on a session's lag behind real time, with more than one slot.
 DEFAULT_MAX_LAG = 2.0
 #: Frames each batch size runs during the warm-up (the last five are timed).
@@ -174,6 +177,7 @@ class RealtimeEngine:
         self._lag: dict[str, LagClock] = {}
         self._prefilling: set[str] = set()
         self._last_lag: dict[str, float] = {}
+        self._admitted_at = 0.0
         self._shed_hold_until = 0.0
         self.metrics = ServerMetrics(max_sessions)
         self._commands: queue.Queue[_Command | None] = queue.Queue()
@@ -247,11 +251,17 @@ class RealtimeEngine:
         """(slot taken, some holder leaving)."""
         with self._slot_lock:
             held = len(self._reserved)
-            if held >= self.max_sessions or not self.budget.admits(held + 1):
+            if held >= self.max_sessions or not self.budget.admits(held + 1) or self._pacing(held):
                 return False, bool(self._leaving)
+            self._admitted_at = time.monotonic()
             self._reserved.add(session_id)
             self.metrics.sessions_active.set(len(self._reserved))
             return True, False
+
+    def _pacing(self, held: int) -> bool:
+        """True while ``max_sessions="auto"`` waits :data:`AUTO_ADMIT_INTERVAL` after the
+        last admission before admitting another next to a running session."""
+        return self.auto and held >= 1 and time.monotonic() - self._admitted_at < AUTO_ADMIT_INTERVAL
 
     def mark_leaving(self, session_id: str) -> None:
         """Note that ``session_id``'s client has gone: its slot is about to be released
@@ -278,7 +288,7 @@ class RealtimeEngine:
         """True while one more session would be admitted: a slot is free and (with more
         than one slot) the tick budget admits it."""
         held = self.sessions_active
-        return held < self.max_sessions and self.budget.admits(held + 1)
+        return held < self.max_sessions and self.budget.admits(held + 1) and not self._pacing(held)
 
     @property
     def capacity(self) -> int:

@@ -6,11 +6,11 @@ take less than a frame, or every session falls behind together. :class:`TickBudg
 predicts the p95 tick of ``n`` rows from
 
 * every tick of the last :data:`RECENT_SECONDS` (``r`` rows in ``d`` seconds), carried over
-  to ``n`` rows linearly, ``d x n / r`` (batching is sub-linear, so that errs on the safe
-  side, and with gathered ticks ``r`` is about ``n - 1``, so by little); the live ticks carry
-  what the warm-up cannot see (speech, longer caches, the server's own event work, a busier
-  machine); a client sending faster than real time does not count as load, since it is the
-  tick's time that counts, not how often it runs;
+  to ``n`` rows by the warm-up's ratio between the two sizes (linearly, ``n / r``, when the
+  warm-up lacks one): the live ticks carry what the warm-up cannot see (speech, longer
+  caches, the server's own event work, a busier machine), the warm-up how the batched step
+  grows with its rows; a client sending faster than real time does not count as load, since
+  it is the tick's time that counts, not how often it runs;
 * the warm-up's median tick of ``n`` rows (run before the first session,
   :meth:`observe` with ``warm_up=True``; the median, so that one slow tick of a few does not
   refuse a size for good): a size whose tick is too long is never admitted;
@@ -104,11 +104,18 @@ class TickBudget:
         """The largest predicted p95 tick admitted (seconds)."""
         return self.fraction * self.frame_seconds
 
+    def _ratio(self, rows: int, sessions: int) -> float:
+        """How much longer a tick of ``sessions`` rows takes than one of ``rows`` rows."""
+        low, high = self.warm_median(rows), self.warm_median(sessions)
+        if low and high:
+            return max(1.0, high / low) if sessions >= rows else high / low
+        return sessions / rows
+
     def p95(self, sessions: int) -> float | None:
         """Predicted p95 tick (seconds) with ``sessions`` rows, or None while nothing is
         known (module docstring)."""
         since = self._clock() - RECENT_SECONDS
-        carried = [seconds * sessions / rows for at, rows, seconds in self._ticks if at >= since]
+        carried = [seconds * self._ratio(rows, sessions) for at, rows, seconds in self._ticks if at >= since]
         live = float(np.quantile(np.asarray(carried), 0.95)) if len(carried) >= MIN_SAMPLES else None
         warm = self.warm_median(sessions)
         known = [value for value in (live, warm) if value is not None]
