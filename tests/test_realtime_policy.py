@@ -197,7 +197,11 @@ def test_auto_admits_at_most_one_new_session_a_second():
     import asyncio
     import time
 
-    from mlx_voicechat_plugin.server.engine import AUTO_ADMIT_INTERVAL, AUTO_MAX_SESSIONS, RealtimeEngine
+    from mlx_voicechat_plugin.server.engine import (
+        AUTO_ADMIT_INTERVAL,
+        AUTO_MAX_SESSIONS,
+        RealtimeEngine,
+    )
 
     engine = RealtimeEngine(lambda: None, max_sessions="auto", warm_up=False)
     assert engine.auto and engine.max_sessions == AUTO_MAX_SESSIONS
