@@ -44,33 +44,35 @@ def _port(text: str) -> int:
     return value
 
 
+def _number(text: str, what: str) -> float:
+    """``text`` as a float, or the ``argparse`` error naming ``what`` was expected."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a {what}: {text!r}") from None
+
+
 def _fraction(text: str) -> float:
+    """``--tick-budget``: a positive fraction of a frame, or ``off`` (infinity)."""
     if text.strip().lower() == "off":
         return float("inf")
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = _number(text, "number")
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"--tick-budget must be a positive fraction of a frame, got {text}")
     return value
 
 
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    """``--max-lag``: a positive, finite number of seconds."""
+    value = _number(text, "number of seconds")
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"--max-lag must be a positive number of seconds, got {text}")
     return value
 
 
 def _gather(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    """``--tick-gather``: seconds between 0 and 1."""
+    value = _number(text, "number of seconds")
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"--tick-gather must be between 0 and 1 s, got {text}")
     return value

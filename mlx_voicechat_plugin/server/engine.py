@@ -290,12 +290,6 @@ class RealtimeEngine:
         held = self.sessions_active
         return held < self.max_sessions and self.budget.admits(held + 1) and not self._pacing(held)
 
-    @property
-    def capacity(self) -> int:
-        """Sessions the engine admits now: ``max_sessions``, or fewer when the tick budget
-        says so."""
-        return self.budget.capacity(self.max_sessions)
-
     def busy_message(self) -> str:
         """The ``server_busy`` error's message: every slot held, or the real-time budget."""
         held = self.sessions_active

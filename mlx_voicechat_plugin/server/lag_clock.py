@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import time
 
+#: A frame answered more than this long (s) after it was due is late: two 80 ms frames.
+LATE_SECONDS = 0.16
+
 
 class LagClock:
     """Due times of one session's frames, oldest first (module docstring).

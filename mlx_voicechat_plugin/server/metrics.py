@@ -37,6 +37,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .lag_clock import LATE_SECONDS
+
 #: Tick-time histogram buckets (seconds): a tick should stay well under one 80 ms frame.
 TICK_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.24, 0.32, 0.5, 1.0, 2.0)
 #: ``reason`` labels of the rejected-connections counter.
@@ -46,8 +48,7 @@ REJECT_REASONS = (
 )
 #: Frame-lag histogram buckets (seconds).
 LAG_BUCKETS = (0.02, 0.04, 0.08, 0.12, 0.16, 0.24, 0.32, 0.5, 1.0, 2.0, 4.0)
-#: A frame answered more than this long (s) after it was due is late: two 80 ms frames.
-LATE_SECONDS = 0.16
+
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -18,8 +18,8 @@ predicts the p95 tick of ``n`` rows from
 whichever is larger, and admits a session only while it stays within ``fraction`` x the
 frame (72 ms by default) and while the sessions already running are on time: no session is
 admitted while the p95 lag of the frames answered in the last :data:`RECENT_SECONDS`
-(:meth:`observe_lag`) is over :data:`LATE_SECONDS`. The first session is always admitted
-(it delays nobody).
+(:meth:`observe_lag`) is over :data:`.lag_clock.LATE_SECONDS` (two frames). The first
+session is always admitted (it delays nobody).
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ import time
 
 import numpy as np
 
+from .lag_clock import LATE_SECONDS
+
 #: Seconds of recent ticks the prediction is taken over.
 RECENT_SECONDS = 3.0
 #: Ticks (recent, or of one warm-up size) needed before they count.
 MIN_SAMPLES = 3
 #: Default budget: the predicted p95 tick may take this fraction of the 80 ms frame.
 DEFAULT_FRACTION = 0.9
-#: No session is admitted while recent frames' p95 lag is over this (s): two frames.
-LATE_SECONDS = 0.16
 
 
 class TickBudget:
@@ -81,7 +81,7 @@ class TickBudget:
 
     def late(self) -> bool:
         """True while the p95 lag of the last :data:`RECENT_SECONDS` is over
-        :data:`LATE_SECONDS` (the running sessions are behind)."""
+        :data:`.lag_clock.LATE_SECONDS` (the running sessions are behind)."""
         since = self._clock() - RECENT_SECONDS
         recent = [seconds for at, seconds in self._lags if at >= since]
         return len(recent) >= MIN_SAMPLES and float(np.quantile(np.asarray(recent), 0.95)) > LATE_SECONDS
