@@ -1,9 +1,11 @@
-"""Finding and recognising VoiceChat checkpoints without loading them."""
+"""Finding and recognising VoiceChat checkpoints without loading them, and loading their
+text tokenizer (a leaf module: the model, the loader and the hooks use it)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 MODEL_TYPE = "nemotron_voicechat"
@@ -88,3 +90,21 @@ def is_demo_checkpoint(path: str | Path) -> bool:
         return config.is_file() and readme.is_file() and DEMO_README_TITLE in readme.read_text(errors="replace")
     except OSError:
         return False
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's text tokenizer (``transformers.AutoTokenizer``).
+
+    transformers' "model of type nemotron_voicechat" config warning is silenced even when
+    transformers was imported (and its verbosity fixed) before this call.
+    """
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    finally:
+        hf_logging.set_verbosity(previous)

@@ -3,14 +3,14 @@
 Every ``MLX_VOICECHAT_*`` variable that switches something on or off (:data:`SWITCHES`)
 accepts ``1`` / ``true`` / ``yes`` / ``on`` and ``0`` / ``false`` / ``no`` / ``off`` (any case,
 surrounding spaces ignored); unset or empty means the switch's default. Any other value is an
-error (:class:`EnvironmentSettingError`), never a silent guess: :func:`check` raises it for
+error (:class:`EnvironmentSettingError`), never a silent guess: :func:`.settings.check` raises it for
 every switch (and for the package's other settings variables) before a model loads, so a typo
 fails at start-up with the variable's name, not mid-session.
 
 The one exception is the start-up shim's own switch read at interpreter start
 (:mod:`.registration.shim`, from a ``.pth`` file, where an exception would break every Python
-start in the environment): it reads its variable leniently, and :func:`check` still reports a
-bad value there at load.
+start in the environment): it reads its variable leniently, and :func:`.settings.check` still
+reports a bad value there at load.
 """
 
 from __future__ import annotations
@@ -78,27 +78,3 @@ def cut(text: str, limit: int = 64) -> str:
     """``text`` for an error message, cut to about ``limit`` characters (as :func:`shown`,
     without the quotes)."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
-
-
-def check() -> None:
-    """Check every ``MLX_VOICECHAT_*`` setting the environment holds now: the on/off
-    :data:`SWITCHES`, ``MLX_VOICECHAT_COMPILE`` (``1`` / ``0`` / ``auto``) and
-    ``MLX_VOICECHAT_BATCH_LANES`` (on / off / stage names). Called before a model loads
-    (``loading.load``, the mlx-vlm loader hook) and by the command lines before any work.
-    (``MLX_VOICECHAT_NATIVE_ISA`` is the CPU kernel build's to check, when it runs: reading
-    it here would import the CPU layer on a GPU.)
-
-    Raises:
-        EnvironmentSettingError: the first variable holding a value its reader refuses,
-            named in the message with the accepted values.
-    """
-    for name in SWITCHES:
-        flag(name, False)
-    from .runtime.batch.lanes import lane_stages
-    from .runtime.compiled import requested_mode
-
-    for reader in (requested_mode, lane_stages):
-        try:
-            reader()
-        except ValueError as error:
-            raise EnvironmentSettingError(str(error)) from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .checkpoint import MODEL_TYPE, find_config
+from .checkpoint import MODEL_TYPE, find_config, load_tokenizer  # noqa: F401 - load_tokenizer: this module's API
 
 
 class CheckpointError(ValueError):
@@ -50,26 +50,6 @@ def _drop_root_records(record: logging.LogRecord) -> bool:
     return False
 
 
-def load_tokenizer(path: str | Path):
-    """The checkpoint's text tokenizer (``transformers.AutoTokenizer``).
-
-    transformers' "model of type nemotron_voicechat" config warning is silenced even when
-    transformers was imported (and its verbosity fixed) before this call.
-    """
-    import os
-
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    previous = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    finally:
-        hf_logging.set_verbosity(previous)
-
-
 def load(model: str | Path, *, lazy: bool = False):
     """Load a VoiceChat checkpoint: ``(Model, tokenizer)``.
 
@@ -81,17 +61,19 @@ def load(model: str | Path, *, lazy: bool = False):
         CheckpointError: not a VoiceChat checkpoint directory.
         VoiceChatConfigError: the config is unsupported (see ``model.validation``).
         EnvironmentSettingError: an ``MLX_VOICECHAT_*`` variable holds a value its reader
-            refuses (:func:`.environment.check`), before anything is read.
+            refuses (:func:`.settings.check`), before anything is read.
         UnsupportedVersionError: the installed mlx-vlm or mlx-audio is outside the
             supported range (:mod:`.versions`), before either is imported.
     """
-    from . import environment
-    from .registration.shim import install
+    from . import settings
+    from .registration.hooks import hook_utils
     from .versions import require
 
     require()
-    environment.check()
-    install(force=True)
+    settings.check()
+    import mlx_vlm.utils
+
+    hook_utils(mlx_vlm.utils)  # the loader hook, whatever MLX_VOICECHAT_DISABLE_SHIM says
     path = resolve_checkpoint(model)
     from mlx_vlm.utils import load_model
 

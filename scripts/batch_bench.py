@@ -188,12 +188,7 @@ def interleaved(model, tokenizer, counts: list[int], frames: int, warmup: int):
 def state_bytes(session) -> int:
     """Bytes of the arrays a session keeps between frames (encoder window, Mamba state, KV
     caches, EAR-TTS caches, codec overlap, RNNT state): what one more session costs."""
-    arrays = [
-        *session._conformer_arrays(),
-        *session._language.state_arrays(),
-        *session._speech.state_arrays(),
-        *session._transcript.state_arrays(),
-    ]
+    arrays = session.state.state_arrays()
     seen, total = set(), 0
     for array in arrays:
         if id(array) not in seen:

@@ -41,7 +41,7 @@ def _record_new_streams(monkeypatch) -> list:
 
 
 def _assert_plain_model(model) -> None:
-    from mlx_voicechat_plugin.model.execution import DEFAULT
+    from mlx_voicechat_plugin.execution import DEFAULT
 
     assert model.acceleration is None and model.execution is DEFAULT
     foreign = {type(m).__module__ for _, m in model.named_modules() if type(m).__module__.startswith("mlx_voicechat_plugin.accel")}

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from mlx_audio.codec.models.nemotron_voicechat import CausalConv1dCache
 
-from mlx_voicechat_plugin.runtime.batch import codec as batch_codec
-from mlx_voicechat_plugin.runtime.batch.codec import codec_decode
+from mlx_voicechat_plugin.runtime.stages import codec as batch_codec
+from mlx_voicechat_plugin.runtime.stages.codec import codec_decode
 
 FRAMES = 10
 

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from mlx_voicechat_plugin.runtime.batch import BatchedEngine, SessionLimitError, UnknownSessionError
-from mlx_voicechat_plugin.runtime.batch import frame as batch_frame
-from mlx_voicechat_plugin.runtime.batch.lanes import LANES_ENV
+from mlx_voicechat_plugin.runtime.stages.lanes import LANES_ENV
 from mlx_voicechat_plugin.runtime.streaming import (
     ContextLimitError,
     SampleRateError,
@@ -24,6 +23,7 @@ from mlx_voicechat_plugin.runtime.streaming import (
     StreamingOptions,
     WrongThreadError,
 )
+from mlx_voicechat_plugin.runtime.streaming import step as batch_frame
 
 from .conftest import SYSTEM_PROMPT
 from .test_streaming import _audio as audio_of  # events -> concatenated 22.05 kHz samples
@@ -178,7 +178,7 @@ def test_limit_error_and_failure_stay_with_their_session(models, inputs):
     def explode(*_args, **_kwargs):
         raise RuntimeError("perception blew up")
 
-    engine.session(broken)._mel.push = explode  # the session's own front end fails
+    engine.session(broken).state.mel.push = explode  # the session's own front end fails
     events = []
     for index in range(4):
         for session_id in engine.session_ids:
@@ -273,7 +273,7 @@ def test_a_joining_session_prefills_one_prompt_token_per_tick(models, inputs):
     engine = BatchedEngine(ours, tokenizer)
     running = engine.open(StreamingOptions(seed=5))  # no prompt: ready at once
     joining = engine.open(options)
-    prompt = len(engine.session(joining)._helper.prompt_ids(options.system_prompt))
+    prompt = len(engine.session(joining).prompt_ids)
     assert prompt > 3 and engine.prefilling(joining) and not engine.prefilling(running)
     events = {running: [], joining: []}
     engine.push_audio(joining, samples[: 2 * FRAME])  # buffered until the prompt is in

@@ -10,15 +10,33 @@ import pytest
 
 from mlx_voicechat_plugin.bench.graph import GraphCounter
 from mlx_voicechat_plugin.runtime.batch import BatchedEngine
-from mlx_voicechat_plugin.runtime.batch.lanes import LANES_ENV
-from mlx_voicechat_plugin.runtime.batch.rows import padded_keys
-from mlx_voicechat_plugin.runtime.batch.speech import draw_noise, draw_noise_rows, key_values
-from mlx_voicechat_plugin.runtime.batch.transcript import schedule_rest_rows, schedule_rows
-from mlx_voicechat_plugin.runtime.rng import SessionRNG
+from mlx_voicechat_plugin.runtime.stages.lanes import LANES_ENV
+from mlx_voicechat_plugin.runtime.stages.rows import padded_keys
+from mlx_voicechat_plugin.runtime.stages.speech_sampling import (
+    draw_noise_rows,
+    key_values,
+    mask_counts,
+)
+from mlx_voicechat_plugin.runtime.stages.transcript import (
+    TranscriptState,
+    schedule_rest_rows,
+    schedule_rows,
+)
 from mlx_voicechat_plugin.runtime.streaming import StreamingOptions
-from mlx_voicechat_plugin.runtime.streaming.stages import TranscriptState
 
 FRAME = 1280
+
+
+def draw_noise(tts) -> list[tuple[mx.array, mx.array]]:
+    """One session's noise for one frame from the global key, as upstream draws it
+    (``MoGHead.infer``'s uniform, then ``generate_codes``' normal, per MoG iteration)."""
+    config = tts.config
+    noise = []
+    for count in mask_counts(config):
+        if count:
+            uniform = mx.random.uniform(shape=(1, 1, config.mog_head.num_predictions))
+            noise.append((uniform, mx.random.normal((1, 1, config.latent_size))))
+    return noise
 
 
 def _same(a: mx.array, b: mx.array) -> bool:
@@ -28,7 +46,7 @@ def _same(a: mx.array, b: mx.array) -> bool:
 def test_rnnt_rows_equal_each_sessions_own_decode(models):
     """Sessions joining at different frames (fresh rows with no LSTM state beside warm
     ones), encoder frames scaled so that most frames emit several symbols: symbols, tokens
-    and LSTM states equal each session's own ``schedule`` / ``schedule_rest``."""
+    and LSTM states equal each session's own one-row decode."""
     model, *_ = models("tiny")
     width = model.stt_model.rnnt_joint.enc.weight.shape[1]
     sessions = 3
@@ -40,8 +58,9 @@ def test_rnnt_rows_equal_each_sessions_own_decode(models):
         rows = [index for index in range(sessions) if frame >= index]
         expected = []
         for index in rows:
-            first = alone[index].schedule(encoded[index : index + 1]).tolist()[0]
-            rest = alone[index].schedule_rest(first)
+            # B = 1: what a solo session runs (tests/test_streaming.py: equal to upstream)
+            first = schedule_rows([alone[index]], encoded[index : index + 1]).tolist()[0]
+            (rest,) = schedule_rest_rows([alone[index]], [first])
             expected.append([first] + (rest.tolist() if rest is not None else []))
             alone[index].commit(expected[-1])
         firsts = schedule_rows([batched[i] for i in rows], encoded[mx.array(rows)]).tolist()
@@ -62,21 +81,21 @@ def test_rnnt_rows_equal_each_sessions_own_decode(models):
 @pytest.mark.parametrize("seeds", [[0, 7, 2**63 + 5], [2**64 - 1]])
 def test_noise_rows_equal_each_sessions_own_draws(models, seeds):
     """One batched draw from stacked keys gives each row its session's draws under its
-    ``SessionRNG`` and leaves each key where the session's own draws leave it."""
+    global key after ``mx.random.seed`` and leaves each key where those draws leave it."""
     model, *_ = models("tiny")
     tts = model.tts_model.tts_model
     noise, keys = draw_noise_rows(tts, seeds)
     mx.eval(noise, keys)
     after = key_values(keys)
     for row, seed in enumerate(seeds):
-        rng = SessionRNG(seed)
-        with rng.active():
-            alone = draw_noise(tts)
+        mx.random.seed(seed)  # upstream's global draws after seeding
+        alone = draw_noise(tts)
         assert len(alone) == len(noise) > 0
         for (uniform, normal), (uniform_rows, normal_rows) in zip(alone, noise):
             assert _same(uniform_rows[row : row + 1], uniform)
             assert _same(normal_rows[row : row + 1], normal)
-        assert after[row] == rng._key
+        high, low = mx.random.state[0].tolist()
+        assert after[row] == (high << 32) | low
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -132,7 +151,7 @@ def test_a_batched_tick_costs_about_one_frame_of_operations(models, speech_16k, 
 def test_grouped_attention_fallback_equals_solo_runs(models, speech_16k, monkeypatch):
     """The per-group EAR-TTS attention (used when a session's own call needs a sliding-window
     mask, past 7500 frames) also gives every session its solo events."""
-    from mlx_voicechat_plugin.runtime.batch import speech
+    from mlx_voicechat_plugin.runtime.stages import speech
 
     from .test_batch_engine import run_batched, solo
     from .test_streaming import _comparable as comparable

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx_vlm.models.base import scaled_dot_product_attention
 
-from mlx_voicechat_plugin.runtime.batch.rows import attend_sessions
+from mlx_voicechat_plugin.runtime.stages.rows import attend_sessions
 
 
 @pytest.mark.parametrize("rows", [1, 2])

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_voicechat_plugin.runtime.batch.perception import (
+from mlx_voicechat_plugin.runtime.stages.encoder_rows import (
     _strided_lengths,
     _subsample,
     pre_encode_rows,

@@ -574,7 +574,7 @@ def test_generate_only_options_are_ours_alone():
     """Each routed option is one our parser takes and mlx-vlm's does not (read from its
     ``--help`` with the shim off): routing never takes a command mlx-vlm could run."""
     from mlx_voicechat_plugin.cli.generate import build_parser
-    from mlx_voicechat_plugin.registration.hooks import GENERATE_ONLY_OPTIONS
+    from mlx_voicechat_plugin.registration.command_hooks import GENERATE_ONLY_OPTIONS
 
     ours = {option for action in build_parser()._actions for option in action.option_strings}
     completed = subprocess.run([sys.executable, "-m", "mlx_vlm.generate", "--help"], capture_output=True, text=True,

@@ -11,9 +11,9 @@ from mlx_audio.codec.models.nemotron_voicechat.codec import NemotronVoiceChatCod
 from mlx_audio.codec.models.nemotron_voicechat.config import NemotronVoiceChatCodecConfig
 
 from mlx_voicechat_plugin.demo.presets import PRESETS
-from mlx_voicechat_plugin.model import codec_chunked
 from mlx_voicechat_plugin.model.codec import ShapeKeyedISTFTCache, install_patch_upsampling
-from mlx_voicechat_plugin.model.codec_chunked import (
+from mlx_voicechat_plugin.runtime import codec_chunked
+from mlx_voicechat_plugin.runtime.codec_chunked import (
     CHUNK_FRAMES,
     DecoderContext,
     decode_chunked,

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from mlx_voicechat_plugin import environment
-from mlx_voicechat_plugin.environment import EnvironmentSettingError, check, flag
+from mlx_voicechat_plugin.environment import EnvironmentSettingError, flag
+from mlx_voicechat_plugin.settings import check
 
 PACKAGE = Path(environment.__file__).resolve().parent
 #: Variables that are not on/off switches, each checked by its own reader.
 OTHER_SETTINGS = {
     "MLX_VOICECHAT_COMPILE",  # 1 / 0 / auto (runtime.compiled)
-    "MLX_VOICECHAT_BATCH_LANES",  # on / off / stage names (runtime.batch.lanes)
+    "MLX_VOICECHAT_BATCH_LANES",  # on / off / stage names (runtime.stages.lanes)
     "MLX_VOICECHAT_NATIVE_ISA",  # auto / a kernel variant (checked by accel.cpu.native.build when it builds)
     "MLX_VOICECHAT_PROFILE_FRAMES",  # a file path
     "MLX_VOICECHAT_API_KEY",  # a secret

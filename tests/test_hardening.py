@@ -92,22 +92,24 @@ def test_offline_rejects_integer_pcm_and_accepts_bfloat16(models, speech_16k):
     assert streaming.push_audio(mx.array(speech_16k[:1280]).astype(mx.bfloat16))[-1].kind == "audio"
 
 
-def test_failure_inside_a_frame_closes_the_session(models, speech_16k):
+def test_failure_inside_a_frame_closes_the_session(models, speech_16k, monkeypatch):
+    from mlx_voicechat_plugin.runtime.streaming import step
+
     ours, tokenizer, *_ = models("tiny")
     session = ours.create_streaming_session(processor=tokenizer)
     calls = {"n": 0}
-    original = session._step_frame
+    original = step.language_step
 
-    def flaky(frame):
+    def flaky(*args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("simulated model failure")
-        return original(frame)
+        return original(*args)
 
-    session._step_frame = flaky
+    monkeypatch.setattr(step, "language_step", flaky)
     with pytest.raises(RuntimeError, match="simulated"):
         session.push_audio(speech_16k[: 5 * 1280])
-    assert session.closed
+    assert session.closed and session.frame_index == 2
     with pytest.raises(SessionClosedError, match="failed"):
         session.push_audio(speech_16k[:1280])
 

@@ -3,7 +3,7 @@
 The turn's peak grows linearly with its input (the log-mel spectrogram and the encoder's
 subsampling still run over the whole input at once; the encoder's attention is banded),
 and what runs after the last timeline step -- the codec decode, in windows of code frames
-(:mod:`mlx_voicechat_plugin.model.codec_chunked`) -- adds a constant plus the output
+(:mod:`mlx_voicechat_plugin.runtime.codec_chunked`) -- adds a constant plus the output
 waveform itself. One whole-sequence decode (before) added about 3.4 MB per second of input
 on the tiny preset, 40 times the waveform's 88 kB.
 """

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram
 from mlx_vlm.models.nemotron_voicechat.session import VoiceChatSession
 
-from mlx_voicechat_plugin.runtime.offline import silent_prompt
+from mlx_voicechat_plugin.runtime.timeline import tts_prompt
 from mlx_voicechat_plugin.runtime.transcript import greedy_transcript
 from mlx_voicechat_plugin.runtime.workers import Job, Stream
 
@@ -118,8 +118,8 @@ def test_language_worker_failure_surfaces_and_session_recovers(models, speech_16
 def test_silent_prompt_is_memoised_and_follows_the_weights(models):
     ours, tokenizer, upstream, processor = models("tiny")
     session = ours.create_session(tokenizer)
-    first = session._tts_prompt()
-    assert session._tts_prompt() is first
+    first = tts_prompt(ours)
+    assert tts_prompt(ours) is first
     reference = VoiceChatSession._tts_prompt(upstream.create_session(processor))
     for got, want in zip(first, reference):
         assert mx.array_equal(got, want).item()
@@ -127,7 +127,7 @@ def test_silent_prompt_is_memoised_and_follows_the_weights(models):
     name, value = next((n, v) for n, v in tree_flatten(codec.parameters()) if "encoder" in n and v.ndim >= 2)
     try:
         codec.update(_nested(name, value * 1.5))
-        rebuilt = session._tts_prompt()
+        rebuilt = tts_prompt(ours)
         assert rebuilt is not first
         recomputed = VoiceChatSession._tts_prompt(session)
         for got, want in zip(rebuilt, recomputed):
@@ -135,7 +135,7 @@ def test_silent_prompt_is_memoised_and_follows_the_weights(models):
     finally:
         codec.update(_nested(name, value))
         ours.clear_caches()
-    assert silent_prompt(ours, 1, lambda batch: VoiceChatSession._tts_prompt(session, batch)) is not first
+    assert tts_prompt(ours) is not first  # the memo was dropped with the caches
 
 
 def _nested(name: str, value):

@@ -349,7 +349,8 @@ def test_projected_streaming_state_equals_upstream_state(models, speech_16k, pre
     from mlx_audio.stt.models.nemotron_asr import ConformerStreamingState
     from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram
 
-    from mlx_voicechat_plugin.runtime.streaming.conformer import ProjectedStreamingState
+    from mlx_voicechat_plugin.runtime.stages.encoder import ProjectedStreamingState
+    from mlx_voicechat_plugin.runtime.stages.encoder_rows import encode_frames
 
     ours, *_ = models(preset)
     encoder = ours.stt_model.perception.encoder
@@ -362,7 +363,7 @@ def test_projected_streaming_state_equals_upstream_state(models, speech_16k, pre
     for start in range(0, mel.shape[1] - 8, 8):  # 8 mel frames = one 80 ms encoder frame
         chunk = mel[:, start : start + 8]
         expected = reference.push(chunk, emit_partial=True)
-        got = cached.push(chunk, emit_partial=True)
+        (got,) = encode_frames(encoder, [cached], [chunk])  # a solo session's step
         assert len(got) == len(expected)
         for a, b in zip(got, expected):
             assert mx.array_equal(a, b).item()

@@ -129,20 +129,22 @@ def test_streamed_codec_equals_offline_decode_of_the_same_codes(models, speech_1
     assert np.abs(streamed[edge:] - offline[edge:]).max() > 1e-3  # the delay is real
 
 
-def test_first_streamed_encoder_frames_equal_offline_encoder(models, speech_16k):
+def test_first_streamed_encoder_frames_equal_offline_encoder(models, speech_16k, monkeypatch):
     from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram
+
+    from mlx_voicechat_plugin.runtime.streaming import step
 
     ours, tokenizer, *_ = models("tiny")
     samples = speech_16k[: 12 * FRAME]
     session = ours.create_streaming_session(processor=tokenizer)
     captured = []
-    original = session._transcript.schedule
+    original = step.schedule_rows
 
-    def spy(encoded):
+    def spy(states, encoded):
         captured.append(np.array(encoded[0, 0]))
-        return original(encoded)
+        return original(states, encoded)
 
-    session._transcript.schedule = spy
+    monkeypatch.setattr(step, "schedule_rows", spy)
     session.push_audio(samples)
     mel = log_mel_spectrogram(mx.array(samples), ours.config.audio_config.preprocessor)
     _, _, offline = ours.stt_model.perception(mel, mx.array([mel.shape[1]]))

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 from mlx_audio.stt.models.nemotron_asr import tokenizer as rnnt_tokenizer
 
-from mlx_voicechat_plugin.runtime.streaming import stages
+from mlx_voicechat_plugin.runtime.stages import transcript as stages
 
 VOCABULARY = ["<unk>", "<pad>", "<en-US>", "▁he", "llo", "▁wor", "ld", "▁", "!", "▁a", "<s>", "é", "▁ça"]
 BLANK = len(VOCABULARY)

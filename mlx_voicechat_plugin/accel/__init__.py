@@ -9,9 +9,11 @@ GELU table, the worker threads' extra CPU streams -- lives in :mod:`.cpu`, which
 the CPU (:func:`.device.model_device`). On a GPU nothing of :mod:`.cpu` is imported,
 compiled or run.
 
-Neither the model nor the runtime imports this package: ``Model.load_weights`` calls
-:func:`install` through a lazy import that treats a missing package as "no acceleration",
-so deleting ``accel/`` leaves a working, slower model. ``MLX_VOICECHAT_CPU_ACCEL=0``
+Neither the model nor the runtime imports this package: the loader hook
+(:mod:`mlx_voicechat_plugin.registration.hooks`, behind ``mlx_vlm.load`` and
+``loading.load``) imports it lazily, treating a missing package as "no acceleration", and
+hands :func:`install` to ``Model.finish_loading``; so deleting ``accel/`` leaves a working,
+slower model. ``MLX_VOICECHAT_CPU_ACCEL=0``
 switches the whole layer off.
 """
 

@@ -18,26 +18,13 @@ import sys
 from pathlib import Path
 
 from ..exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STATUS_HELP, EXIT_USAGE
+from . import OFFLINE_COMMAND, chat_refusal  # noqa: F401 - chat_refusal: part of the CLI API
 from .compat import GENERATE_FLAGS, add_mlx_vlm_options, ignored_note
 from .output import labelled
 
 #: Most silence ``--extra-decoding-seconds`` may append (spec "Limits"; the runtime enforces
 #: the same cap, this only reports it with the flag's spelling before any work is done).
 MAX_EXTRA_DECODING_SECONDS = 600.0
-
-OFFLINE_COMMAND = (
-    "mlx-voicechat generate --model CKPT --audio question.wav --output-audio answer.wav "
-    '[-p "system prompt"]  (or: python -m mlx_vlm.generate --model CKPT --audio ...)'
-)
-
-
-def chat_refusal() -> str:
-    """The message printed when a chat surface is asked to run this checkpoint."""
-    return (
-        "error: NemotronLabs VoiceChat is a full-duplex speech-to-speech model; it has no "
-        "text chat mode. Run an offline voice turn with:\n  " + OFFLINE_COMMAND
-    )
-
 
 def build_parser(prog: str = "mlx-voicechat generate") -> argparse.ArgumentParser:
     """The argument parser (mlx-vlm compatible spellings)."""
@@ -185,7 +172,7 @@ def _inputs(args):
     Raises:
         UsageError: the input is missing or not usable audio, the output path is not a
             writable ``.wav``, ``--model`` is not a VoiceChat checkpoint, or an
-            ``MLX_VOICECHAT_*`` variable holds a bad value (:func:`..environment.check`).
+            ``MLX_VOICECHAT_*`` variable holds a bad value (:func:`..settings.check`).
     """
     from ..runtime.audio_io import AudioInputError, check_wav_output_path
     from ..runtime.waveform import prepare_waveform
@@ -207,10 +194,10 @@ def _inputs(args):
             model_path = resolve_checkpoint(args.model)
         except CheckpointError as error:
             raise UsageError(str(error)) from None
-    from .. import environment
+    from .. import environment, settings
 
     try:  # after the arguments (it imports MLX), before the load
-        environment.check()
+        settings.check()
     except environment.EnvironmentSettingError as error:
         raise UsageError(str(error)) from None
     return waveform, output, model_path

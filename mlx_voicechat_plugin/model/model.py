@@ -13,9 +13,10 @@ Differences from upstream ``mlx_vlm.models.nemotron_voicechat.Model`` (and why):
   :mod:`.convolutions`), the encoder's steady-state positional projection is memoised
   (:mod:`.encoder`), EAR-TTS caches its codebook tables (:mod:`.tts`) and norm offsets
   are computed once (:mod:`.norms`);
-* after loading, :func:`accelerate` installs the optional acceleration layer for the
-  model's device (:mod:`mlx_voicechat_plugin.accel`: on the CPU, native kernels and
-  two-core products; on a GPU nothing); this package never imports that layer;
+* after loading, the loader hands :meth:`Model.finish_loading` the optional acceleration
+  layer's installer for the model's device (:mod:`mlx_voicechat_plugin.accel`: on the CPU,
+  native kernels and two-core products; on a GPU nothing); this package never imports
+  that layer;
 * ``create_session`` returns :class:`~mlx_voicechat_plugin.runtime.offline.OfflineSession`
   (cached O(T) loop by default, input validation, progress), and the tokenizer is loaded
   from the checkpoint when the caller has none.
@@ -28,28 +29,16 @@ from __future__ import annotations
 
 from mlx_vlm.models.nemotron_voicechat.model import Model as UpstreamModel
 
+from ..execution import DEFAULT, Execution
 from .banded_attention import install_banded_attention
 from .codec import ShapeKeyedISTFTCache, install_patch_upsampling
 from .convolutions import install_pointwise_convolutions
 from .derived import rebuild_derived
 from .encoder import install_position_cache
-from .execution import DEFAULT, Execution
 from .norms import install_norms
 from .pinning import PinningReport, pin_f32_weights, pinning_deferred, pinning_enabled
 from .tts import FastRVQEARTTSModel
 from .validation import validate_config
-
-
-def accelerate(model) -> str | None:
-    """Install the optional acceleration layer for the model's device (the one hook into
-    :mod:`mlx_voicechat_plugin.accel`, imported lazily); returns the installed layer's name
-    (``"cpu"``) or None when nothing was installed: the package is absent or unimportable,
-    the device is not the CPU, or ``MLX_VOICECHAT_CPU_ACCEL=0``."""
-    try:
-        from ..accel import install
-    except ImportError:
-        return None
-    return install(model)
 
 
 class Model(UpstreamModel):
@@ -75,11 +64,11 @@ class Model(UpstreamModel):
         install_banded_attention(self.stt_model.perception.encoder)  # offline memory linear in length
         install_pointwise_convolutions(self)
         self.pinning: PinningReport | None = None
-        #: The installed acceleration layer (``"cpu"``) or None (:func:`accelerate`).
+        #: The installed acceleration layer (``"cpu"``) or None (:meth:`finish_loading`).
         self.acceleration: str | None = None
         self._tokenizer = None
 
-    #: How the runtime schedules this model's concurrent work (:mod:`.execution`); the
+    #: How the runtime schedules this model's concurrent work (:mod:`..execution`); the
     #: acceleration layer may replace it at load.
     execution: Execution = DEFAULT
 
@@ -93,15 +82,24 @@ class Model(UpstreamModel):
             self.finish_loading()
         return result
 
-    def finish_loading(self) -> None:
+    def finish_loading(self, install_acceleration=None) -> None:
         """Pin f32-only weights tensor by tensor (:mod:`.pinning`), install the post-load
-        speed-ups and the acceleration layer for the device (:func:`accelerate`); called
-        once after the weights are in place."""
+        speed-ups, then the acceleration layer when one is given; called once after the
+        weights are in place.
+
+        Args:
+            install_acceleration: ``(model) -> name | None``, the acceleration layer's
+                installer for the model's device; the loader passes
+                ``mlx_voicechat_plugin.accel.install`` (the registration hook's
+                ``load_model``, used by ``mlx_vlm.load`` and ``loading.load``), None
+                installs nothing (a model built by hand computes the same, slower on a CPU).
+        """
         if pinning_enabled():
             self.pinning = pin_f32_weights(self)
         install_norms(self)
         # After loading: mlx-vlm quantizes (replacing Linear modules) before this call.
-        self.acceleration = accelerate(self) or self.acceleration
+        if install_acceleration is not None:
+            self.acceleration = install_acceleration(self) or self.acceleration
         self.clear_caches()
 
     def clear_caches(self) -> None:
@@ -126,7 +124,7 @@ class Model(UpstreamModel):
                     "this model was not loaded from a checkpoint directory; pass a "
                     "tokenizer to create_session()"
                 )
-            from ..loading import load_tokenizer
+            from ..checkpoint import load_tokenizer
 
             self._tokenizer = load_tokenizer(path)
         return self._tokenizer
@@ -142,7 +140,7 @@ class Model(UpstreamModel):
 
         return OfflineSession(self, self._resolve_tokenizer(processor))
 
-    def create_streaming_session(self, options=None, *, processor=None, **fields):
+    def create_streaming_session(self, options=None, *, processor=None, prefill: bool = True, **fields):
         """Return a :class:`~mlx_voicechat_plugin.runtime.streaming.StreamingSession`.
 
         Args:
@@ -151,6 +149,8 @@ class Model(UpstreamModel):
                 ``use_language_cache=``, ``use_perception_cache=``, ``profile=``).
             processor: the processor/tokenizer from ``mlx_vlm.load`` (default: the
                 checkpoint's tokenizer).
+            prefill: run the system prompt now (default); False leaves it to the caller
+                (``session.prompt_ids``; the batched engine runs one token per tick).
 
         Raises:
             TypeError: both ``options`` and keyword fields given, or an unknown field.
@@ -164,7 +164,7 @@ class Model(UpstreamModel):
             raise TypeError(f"options must be a StreamingOptions, got {type(options).__name__}")
         if options is None:
             options = StreamingOptions(**fields)
-        return StreamingSession(self, self._resolve_tokenizer(processor), options)
+        return StreamingSession(self, self._resolve_tokenizer(processor), options, prefill=prefill)
 
     def _resolve_tokenizer(self, processor):
         if processor is None:

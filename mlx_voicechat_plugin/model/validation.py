@@ -90,6 +90,11 @@ def validate_config(config) -> None:
             f"tts_config.character_encoder.hidden_size ({tts.character_encoder.hidden_size})"
             f" differs from tts_config.hidden_size ({tts.hidden_size})"
         )
+    scale = tts.guidance_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        problems.append(  # upstream's sampler pairs cond / uncond rows only when it is > 0
+            f"tts_config.guidance_scale must be a positive number, got {scale!r}"
+        )
     vocabulary = config.rnnt_vocabulary
     classes = config.audio_config.joint.num_classes
     if vocabulary and len(vocabulary) != classes:

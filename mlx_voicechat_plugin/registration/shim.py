@@ -3,7 +3,7 @@
 ``mlx_voicechat_plugin.pth`` (installed into site-packages) runs :func:`install` at
 interpreter start. It only appends a :class:`PostImportFinder` to ``sys.meta_path`` -- no
 MLX or mlx-vlm import happens then. When an mlx-vlm module listed in
-:data:`mlx_voicechat_plugin.registration.hooks.HOOKS` is imported later, the finder lets the
+:data:`~.hooks.LOADER_HOOKS` / :data:`~.command_hooks.COMMAND_HOOKS` is imported later, the finder lets the
 normal loader run it and then applies the hook for that module.
 
 Set ``MLX_VOICECHAT_DISABLE_SHIM=1`` to turn the shim off (the entry point still works with
@@ -74,7 +74,7 @@ class PostImportFinder(importlib.abc.MetaPathFinder):
 def shim_enabled() -> bool:
     """False when ``MLX_VOICECHAT_DISABLE_SHIM`` is set to a true value."""
     # Read leniently (any other value: not disabled): this runs at interpreter start, where
-    # an exception would break every Python start; environment.check() reports a bad value
+    # an exception would break every Python start; settings.check() reports a bad value
     # at load.
     return os.environ.get(SHIM_DISABLE_ENV, "").strip().lower() not in ON
 
@@ -93,8 +93,10 @@ def install(*, force: bool = False) -> bool:
     """
     if not force and not shim_enabled():
         return False
-    from .hooks import HOOKS
+    from .command_hooks import COMMAND_HOOKS
+    from .hooks import LOADER_HOOKS
 
+    HOOKS = {**LOADER_HOOKS, **COMMAND_HOOKS}
     if not any(isinstance(finder, PostImportFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, PostImportFinder(HOOKS))
     for name, hook in HOOKS.items():

@@ -9,8 +9,8 @@ from outside the model modules (the model files stay plain MLX and read like ups
   whose ``__call__`` runs a compiled copy of the block's own ``__call__``: EAR-TTS's
   backbone MLPs and MoG MLP layers, the Nemotron-H MLPs, the conformer's feed-forward
   modules and the codec's ConvNeXt blocks (blocks whose inputs are arrays of a fixed
-  shape each frame); and compiles EAR-TTS's MoG sampling (``generate_codes``, its random
-  draws threaded through ``mx.random.state`` so seeds reproduce).
+  shape each frame); and compiles EAR-TTS's MoG sampling, whose noise is given
+  (:func:`~.stages.speech_sampling.guided_codes`, offline and streaming).
 * :func:`compiled_call` is the wrapper: the first call with a new input signature runs
   the block uncompiled (so any per-shape memo the block builds holds real arrays, not
   tracers), later calls run the compiled function. Calls with non-array arguments run
@@ -23,7 +23,8 @@ first time each is seen (tens of seconds for a whole model on two busy cores) an
 them under the temporary directory (``/tmp/mlx``), so later processes start at once.
 
 Environment: ``MLX_VOICECHAT_COMPILE=1`` / ``0`` forces it on / off; unset (``auto``) it
-is on when the default device is a GPU and off on the CPU (see ``docs/performance.md``).
+is on when the model's execution policy says so (on a GPU, not on the CPU: see
+``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..environment import OFF, ON, shown
+from ..execution import execution_of
+from .stages.speech_sampling import COMPILED_ATTRIBUTE, generate_codes
 
 #: Environment switch: ``1`` on, ``0`` off, ``auto`` (default) on for GPU devices only.
 COMPILE_ENV = "MLX_VOICECHAT_COMPILE"
@@ -75,24 +78,22 @@ def requested_mode() -> bool | None:
     return None
 
 
-def compile_requested(device: mx.Device | None = None) -> bool:
+def compile_requested(default: bool) -> bool:
     """Whether compiled blocks should be used.
 
     Args:
-        device: the device the model runs on (default ``mx.default_device()``).
+        default: the model's execution policy's choice for ``auto``
+            (:meth:`~mlx_voicechat_plugin.execution.Execution.compiled_by_default`:
+            True exactly on a GPU).
 
     Returns:
-        True for ``MLX_VOICECHAT_COMPILE=1``; False for ``0``; otherwise True exactly when
-        the device is a GPU.
+        True for ``MLX_VOICECHAT_COMPILE=1``; False for ``0``; otherwise ``default``.
 
     Raises:
         ValueError: the variable holds another value.
     """
     mode = requested_mode()
-    if mode is not None:
-        return mode
-    device = device or mx.default_device()
-    return device.type == mx.DeviceType.gpu
+    return default if mode is None else mode
 
 
 def _signature(args) -> tuple | None:
@@ -107,21 +108,19 @@ def _signature(args) -> tuple | None:
     return tuple(signature)
 
 
-def compiled_call(function, *, random: bool = False):
+def compiled_call(function):
     """Wrap ``function(*arrays)`` so repeated calls with a seen signature run compiled.
 
     Args:
-        function: a function of MLX arrays (or tuples of arrays) returning arrays.
-        random: the function draws from MLX's global random state (threaded through
-            ``mx.random.state`` as the compiled function's implicit input and output).
+        function: a function of MLX arrays (or tuples of arrays) returning arrays, drawing
+            no random numbers (pass noise in as arrays).
 
     Returns:
         A function with the same signature and results. The first call per input
         signature (shapes and dtypes), any call with keyword or non-array arguments, and
         any call inside :func:`suspended` runs ``function`` itself.
     """
-    state = [mx.random.state] if random else None
-    compiled = mx.compile(function, inputs=state, outputs=state) if random else mx.compile(function)
+    compiled = mx.compile(function)
     seen: set = set()
 
     def call(*args, **kwargs):
@@ -185,7 +184,7 @@ def install(model, force: bool | None = None) -> int:
     Returns:
         The number of blocks compiled (0 when compilation is off or already installed).
     """
-    if not (compile_requested() if force is None else force):
+    if not (compile_requested(execution_of(model).compiled_by_default()) if force is None else force):
         return 0
     with _lock:
         if getattr(model, _MARK, False):
@@ -195,7 +194,12 @@ def install(model, force: bool | None = None) -> int:
     for _, module in model.named_modules():
         count += _swap(module)
     tts = model.tts_model.tts_model
-    tts.generate_codes = compiled_call(type(tts).generate_codes.__get__(tts), random=True)
+    flat = compiled_call(lambda hidden, uniforms, normals: generate_codes(tts, hidden, list(zip(uniforms, normals))))
+    setattr(
+        tts,
+        COMPILED_ATTRIBUTE,
+        lambda hidden, noise: flat(hidden, [uniform for uniform, _ in noise], [normal for _, normal in noise]),
+    )
     return count + 1
 
 

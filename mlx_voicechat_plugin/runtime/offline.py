@@ -11,11 +11,11 @@
   transcript is decoded after the loop by :func:`~.transcript.greedy_transcript` (the
   reference's decisions, scoring a window of frames per round trip instead of one);
 * EAR-TTS's silent audio prompt (a codec *encode* of ~3 s of zeros, the same for every
-  turn) is computed once per loaded model (:meth:`OfflineSession._tts_prompt`);
+  turn) is computed once per loaded model (:func:`.timeline.tts_prompt`);
 * the session's RNG key is its own (:class:`~.rng.SessionRNG`), so seed ``s`` reproduces
   the reference's ``mx.random.seed(s)`` draws without disturbing other users of MLX's RNG;
 * the codec decodes the turn's codes in windows of code frames
-  (:func:`~..model.codec_chunked.decode_chunked`: the same samples as one whole-sequence
+  (:func:`~.codec_chunked.decode_chunked`: the same samples as one whole-sequence
   call, with one window's transient memory);
 * a ``progress`` callback and the function-channel text in the result.
 """
@@ -31,11 +31,15 @@ import numpy as np
 from mlx_audio.stt.models.nemotron_asr.audio import log_mel_spectrogram
 from mlx_vlm.models.nemotron_voicechat.session import VoiceChatSession
 
-from ..model.codec_chunked import decode_chunked
-from ..model.execution import execution_of
+from ..execution import execution_of
 from . import compiled
 from .audio_io import AudioInputError  # noqa: F401 - re-exported
+from .codec_chunked import decode_chunked
 from .rng import SessionRNG
+from .stages.language import LanguageState, language_step
+from .stages.speech import SpeechState, speech_step
+from .stages.speech_sampling import draw_noise_rows, key_values
+from .timeline import MAX_PROMPT_TOKENS, prompt_ids, replace_control_codes, special_ids, tts_prompt  # noqa: F401
 from .transcript import greedy_transcript
 from .vocabulary import install_vocabulary
 from .waveform import (  # noqa: F401 - re-exported (moved to a light module)
@@ -45,9 +49,6 @@ from .waveform import (  # noqa: F401 - re-exported (moved to a light module)
     prepare_waveform,
 )
 from .workers import Job, Stream
-
-#: Longest system prompt (tokens): each token is one LLM and one EAR-TTS step of prefill.
-MAX_PROMPT_TOKENS = 512
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -81,57 +82,30 @@ class OfflineResult:
     prompt_frames: int
 
 
-def silent_prompt(model, batch_size: int, build: Callable[[int], tuple]) -> tuple:
-    """``build(batch_size)`` evaluated once per model, batch size and parameter set."""
-    from mlx.utils import tree_flatten
-
-    tts = model.tts_model
-    fingerprint = tuple(
-        id(value)
-        for module in (tts.audio_codec, tts.audio_prompt_latents)
-        for _, value in tree_flatten(module.parameters())
-    )
-    memo = model.__dict__.setdefault("_silent_prompts", {})
-    cached = memo.get(batch_size)
-    if cached is None or cached[0] != fingerprint:
-        prompt = build(batch_size)
-        mx.eval(prompt)
-        cached = memo[batch_size] = (fingerprint, prompt)
-    return cached[1]
-
-
-def _language_pass(
-    stt, audio_embeds, prompt_frames: int, total: int, use_cache: bool, pad: int, weight: float, out: Stream
-) -> None:
-    """The language model over the whole timeline (a worker thread's job).
+def _language_pass(model, audio_embeds, prompt_frames: int, total: int, use_cache: bool, out: Stream) -> None:
+    """The language model over the whole timeline (a worker thread's job; the streaming
+    step's :func:`~.stages.language.language_step` with one session).
 
     Position t fuses the audio frame with the text and function ids of t - 1 (pad at t = 0
     and inside the prompt prefix), exactly as the reference loop does, and puts
     ``(text id, function id)`` (pad, pad inside the prompt prefix) on ``out``.
     """
+    stt, config = model.stt_model, model.config
     try:
-        cache = stt.make_cache() if use_cache else None
-        history: list[mx.array] = []
-        previous_text = previous_function = pad
+        state = LanguageState(model, use_cache)
+        previous_text = previous_function = config.pad_token_id
         for time in range(total):
             fused = (
                 stt.embed_tokens(mx.array([[previous_text]], dtype=mx.int32))
                 + audio_embeds[:, time : time + 1]
-                + weight * stt.embed_tokens(mx.array([[previous_function]], dtype=mx.int32))
+                + config.function_channel_weight * stt.embed_tokens(mx.array([[previous_function]], dtype=mx.int32))
             )
-            if cache is not None:
-                output = stt(fused, cache=cache)
-            else:
-                history.append(fused)
-                output = stt(mx.concatenate(history, axis=1))
+            text_logits, function_logits = language_step(model, [state], fused)
             if time >= prompt_frames:
-                ids = [
-                    mx.argmax(output.text_logits[0, -1], keepdims=True).astype(mx.int32),
-                    mx.argmax(output.function_logits[0, -1], keepdims=True).astype(mx.int32),
-                ]
+                ids = [mx.argmax(logits[0, -1], keepdims=True).astype(mx.int32) for logits in (text_logits, function_logits)]
                 previous_text, previous_function = mx.concatenate(ids).tolist()
             else:
-                mx.eval(output.text_logits, output.function_logits)
+                mx.eval(text_logits, function_logits)
             out.put((previous_text, previous_function))
     except Stream.Cancelled:
         return
@@ -154,56 +128,13 @@ class OfflineSession(VoiceChatSession):
         install_vocabulary(model, tokenizer)
         compiled.install(model)  # MLX_VOICECHAT_COMPILE: fused static-shape blocks (GPU default)
 
-    def _special_ids(self) -> set[int]:
-        config = self.model.config
-        return {
-            config.pad_token_id,
-            config.silence_token_id,
-            config.bos_token_id,
-            config.eos_token_id,
-        }
-
     def prompt_ids(self, system_prompt: str | None) -> list[int]:
-        """``[BOS] + tokens + [EOS]`` for a non-blank prompt, else ``[]`` (spec step 3).
-
-        Raises:
-            TypeError: not a string.
-            ValueError: not valid Unicode, or longer than :data:`MAX_PROMPT_TOKENS` tokens.
-        """
-        config = self.model.config
-        text = config.default_system_prompt if system_prompt is None else system_prompt
-        if not isinstance(text, str):
-            raise TypeError(f"system_prompt must be a string, got {type(text).__name__}")
-        if not text.strip():
-            return []
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("system_prompt is not valid Unicode text (lone surrogate)") from None
-        if len(text) > 8 * MAX_PROMPT_TOKENS:
-            raise ValueError(
-                f"system_prompt is {len(text)} characters; at most {MAX_PROMPT_TOKENS} tokens are allowed"
-            )
-        tokens = self.tokenizer.encode(text, add_special_tokens=False)
-        if len(tokens) > MAX_PROMPT_TOKENS:
-            raise ValueError(
-                f"system_prompt is {len(tokens)} tokens; at most {MAX_PROMPT_TOKENS} are allowed "
-                "(each token costs one model step before the audio starts)"
-            )
-        return [config.bos_token_id, *tokens, config.eos_token_id]
-
-    def _tts_prompt(self, batch_size: int = 1):
-        """Upstream's silent EAR-TTS prompt, memoised on the model per batch size.
-
-        It encodes zeros with the audio codec (about 2 s for the medium demo checkpoint), a
-        pure function of the codec weights and the prompt latents: the memo is keyed by
-        those parameter objects and dropped by ``Model.clear_caches()`` (in-place edits).
-        """
-        return silent_prompt(self.model, batch_size, super()._tts_prompt)
+        """:func:`.timeline.prompt_ids` with this session's tokenizer."""
+        return prompt_ids(self.model.config, self.tokenizer, system_prompt)
 
     def decode_tokens(self, tokens: list[int]) -> str:
         """Decode ids, skipping pad, silence, BOS and EOS."""
-        special = self._special_ids()
+        special = special_ids(self.model.config)
         kept = [token for token in tokens if token not in special]
         return self.tokenizer.decode(kept, skip_special_tokens=False)
 
@@ -248,10 +179,9 @@ class OfflineSession(VoiceChatSession):
         if progress is not None and not callable(progress):
             raise TypeError("progress must be a callable progress(done, total)")
         prompt_ids = self.prompt_ids(system_prompt)
-        with rng.active():
-            return self._run(mx.array(waveform), prompt_ids, use_language_cache, max_frames, progress)
+        return self._run(mx.array(waveform), prompt_ids, use_language_cache, max_frames, progress, rng)
 
-    def _run(self, waveform, prompt_ids, use_language_cache, max_frames, progress) -> OfflineResult:
+    def _run(self, waveform, prompt_ids, use_language_cache, max_frames, progress, rng) -> OfflineResult:
         model, config = self.model, self.model.config
         stt = model.stt_model
 
@@ -276,27 +206,24 @@ class OfflineSession(VoiceChatSession):
         transcript_job = Job("voicechat-rnnt", greedy_transcript, model, asr_embeds, audio_frames, context=context)
         ids = Stream()
         language_job = Job(
-            "voicechat-language", _language_pass, stt, audio_embeds, prompt_frames, total,
-            use_language_cache, config.pad_token_id, config.function_channel_weight, ids,
-            context=context,
+            "voicechat-language", _language_pass, model, audio_embeds, prompt_frames, total,
+            use_language_cache, ids, context=context,
         )  # fmt: skip
         try:
-            return self._speak(prompt_frames, total, audio_frames, ids, language_job, transcript_job, progress)
+            return self._speak(prompt_frames, total, audio_frames, ids, language_job, transcript_job, progress, rng)
         finally:
             ids.cancel()
 
-    def _speak(self, prompt_frames, total, audio_frames, ids, language_job, transcript_job, progress):
-        """EAR-TTS over the timeline (ids from the language worker), then the codec."""
+    def _speak(self, prompt_frames, total, audio_frames, ids, language_job, transcript_job, progress, rng):
+        """EAR-TTS over the timeline (ids from the language worker; the streaming step's
+        :func:`~.stages.speech.speech_step` with the noise of ``rng``'s key), then the codec."""
         model, config = self.model, self.model.config
         tts = model.tts_model.tts_model
         pad = config.pad_token_id
         text = [pad] * total
         function = [pad] * total
 
-        prompt = self._tts_prompt()
-        _, tts_cache = tts.warmup(*prompt[:-1], audio_prompt_latent=prompt[-1], guidance=True)
-        previous_code = prompt[0][:, -1:]
-        silence = model.tts_model.codec_silence_tokens[None, None, :]
+        speech = SpeechState(model)  # warmed with the silent Aria prompt
         codes = [mx.zeros((1, 1, config.tts_config.num_quantizers), dtype=mx.int32)]
 
         for time in range(total):
@@ -304,24 +231,21 @@ class OfflineSession(VoiceChatSession):
             if time > 0:
                 # The reference warms the LLM at position 0 without a TTS code; every later
                 # position (the prompt prefix included) advances EAR-TTS by one frame.
-                current = mx.array([[text[time]]], dtype=mx.int32)
-                if text[time] == config.eos_token_id:
-                    previous_code = mx.broadcast_to(silence, previous_code.shape)
-                previous_code = tts.step(
-                    previous_code, current, mx.ones(current.shape, dtype=mx.bool_), tts_cache, guidance=True
-                ).codes
-                codes.append(previous_code)
-                mx.eval(previous_code, *tts.pending_conditions())
-                tts.commit_conditions()
+                noise, keys = draw_noise_rows(tts, [rng.key])
+                (code,) = speech_step(model, [speech], [text[time]], noise)
+                codes.append(code)
+                mx.eval(code, keys, *speech.state_arrays())
+                speech.evaluated()
+                (rng.key,) = key_values(keys)
             if progress is not None:
                 progress(time + 1, total)
         language_job.result()
 
         generated = mx.concatenate(codes, axis=1)[:, prompt_frames:]
-        generated = self._replace_control_codes(generated)
+        generated = replace_control_codes(self.model, generated)
         mx.eval(generated)
         # In windows of code frames: transient memory of one window, whatever the length;
-        # the same samples as one whole-sequence decode (model.codec_chunked).
+        # the same samples as one whole-sequence decode (runtime.codec_chunked).
         decoded = decode_chunked(model.tts_model.audio_codec, generated.transpose(0, 2, 1))
         transcript, _ = transcript_job.result()
         text = text[prompt_frames:]

@@ -7,7 +7,7 @@ on worker threads while the calling thread runs EAR-TTS: each worker thread eval
 own stream of the device the job was submitted from (MLX gives every thread its own default
 stream per device), so the chains overlap instead of taking turns, on the CPU's cores or on
 a GPU's queues. A job may also be given a ``context`` to enter around its work (the model's
-:meth:`~mlx_voicechat_plugin.model.execution.Execution.worker`). Every chain performs exactly the
+:meth:`~mlx_voicechat_plugin.execution.Execution.worker`). Every chain performs exactly the
 operations it would perform alone, so the ids, codes and transcript are unchanged. The
 worker threads are shared by all turns of the process (at most :data:`MAX_WORKERS`).
 

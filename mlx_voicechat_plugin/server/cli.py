@@ -253,12 +253,12 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
             print(f"error: {error}", file=sys.stderr)
             return EXIT_USAGE
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from .. import environment
+    from .. import environment, settings
     from .app import create_app
     from .engine import RealtimeEngine
 
     try:  # checked before the load: a bad value would otherwise fail every session or tick
-        environment.check()
+        settings.check()
     except environment.EnvironmentSettingError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -203,11 +203,6 @@ class Connection:
         await self.inbox.put(item, audio_samples, nbytes)
         self.inbox_peak = max(self.inbox_peak, self.inbox.qsize())
 
-    @property
-    def pending_cancels(self) -> int:
-        """Cancel messages read but not yet dispatched."""
-        return len(self._cancels_read)
-
     def cancel_ahead(self) -> bool:
         """A cancel has been read that the handler reaches before any commit: the running
         append stops at its next slice and queued ones are dropped (spec: cancel drops

@@ -1,4 +1,4 @@
-"""The CPU layer's scheduling policy for the runtime (:mod:`mlx_voicechat_plugin.model.execution`).
+"""The CPU layer's scheduling policy for the runtime (:mod:`mlx_voicechat_plugin.execution`).
 
 * inside a streamed frame, the RNNT transcript runs on this thread's side CPU stream
   (:func:`.parallel.on_side_stream`), so it runs on the other core beside the language
@@ -6,7 +6,7 @@
 * an offline worker job (the language model, the RNNT transcript) runs on its thread's side
   stream, from which products are not split: the worker threads and the calling thread
   already share the two cores;
-* a batched stage's two row groups ("lanes", :mod:`mlx_voicechat_plugin.runtime.batch.lanes`)
+* a batched stage's two row groups ("lanes", :mod:`mlx_voicechat_plugin.runtime.stages.lanes`)
   are built one on the calling thread's default stream, one on its secondary stream
   (:func:`.parallel.secondary_stream`), their products left whole (each lane has a core).
 """
@@ -17,7 +17,7 @@ import contextlib
 
 import mlx.core as mx
 
-from ...model.execution import Execution
+from ...execution import Execution
 from .parallel import on_side_stream, secondary_stream, side_stream, split_enabled, unsplit
 
 

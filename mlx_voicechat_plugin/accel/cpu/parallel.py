@@ -102,7 +102,7 @@ def on_side_stream():
 @contextlib.contextmanager
 def unsplit():
     """Context manager: products built inside it run whole on the current stream (for work
-    that already has a core of its own, such as one lane of :mod:`mlx_voicechat_plugin.runtime.batch.lanes`)."""
+    that already has a core of its own, such as one lane of :mod:`mlx_voicechat_plugin.runtime.stages.lanes`)."""
     previous = getattr(_local, "inside", False)
     _local.inside = True
     try:

@@ -7,7 +7,7 @@ same sums), and the nearest-codeword steps of a block of codebooks in one kernel
 (:func:`.native.rvq_encode`: upstream's order, the first minimum or first NaN as
 ``mx.argmin`` picks it). Without the kernel the steps use :func:`.native.matmul` against
 the copy. :meth:`KernelRVQEARTTSModel.top_p_logits` gives the batched MoG head
-(:mod:`mlx_voicechat_plugin.runtime.batch.speech`) upstream's top-p filter with its mask
+(:mod:`mlx_voicechat_plugin.runtime.stages.speech_sampling`) upstream's top-p filter with its mask
 from one kernel (:func:`.native.top_p_keep`).
 """
 

@@ -5,8 +5,9 @@ A scheduler over per-session state objects (each a
 text accumulators), after moshi-server's ``batched_asr.rs``: one loop steps every active
 stream per frame. Audio pushed to a session is buffered; each :meth:`BatchedEngine.tick`
 advances every session that has a frame ready by exactly one 80 ms frame, the networks
-running once over the stacked rows (:func:`.frame.step_frames`). Each session's events are
-exactly those of the same input, prompt and seed run alone.
+running once over the stacked rows: the one streaming step
+(:func:`~..streaming.step.step_frames`) a solo session runs with ``B = 1``. Each session's
+events are exactly those of the same input, prompt and seed run alone.
 
 Threading: MLX evaluation is thread-affine, so one thread creates the engine and calls
 every method (another thread gets :class:`~..streaming.WrongThreadError`). The server runs
@@ -15,7 +16,6 @@ it on its engine thread (``mlx_voicechat_plugin.server.engine``).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 import time
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..stages.lanes import lane_stages
 from ..streaming.errors import (
     ContextLimitError,
     SessionClosedError,
@@ -31,8 +32,7 @@ from ..streaming.errors import (
 )
 from ..streaming.events import Done
 from ..streaming.options import StreamingOptions
-from .frame import batchable, step_frames
-from .lanes import lane_stages
+from ..streaming.step import prefill, step_frames
 
 
 class SessionLimitError(StreamingError, RuntimeError):
@@ -83,7 +83,8 @@ class BatchedEngine:
 
     Raises:
         ValueError: ``max_sessions`` is not a positive integer, or
-            ``MLX_VOICECHAT_BATCH_LANES`` names an unknown stage (:func:`.lanes.lane_stages`).
+            ``MLX_VOICECHAT_BATCH_LANES`` names an unknown stage
+            (:func:`~..stages.lanes.lane_stages`).
     """
 
     def __init__(self, model, tokenizer, max_sessions: int | None = None):
@@ -142,16 +143,11 @@ class BatchedEngine:
             session_id = f"session-{next(self._ids)}"
         if session_id in self._slots:
             raise ValueError(f"session {session_id!r} is already open")
-        options = options or StreamingOptions()
-        if not incremental_prefill:
-            session = self.model.create_streaming_session(options, processor=self.tokenizer)
-            self._slots[session_id] = _Slot(session)
-            return session_id
-        quiet = dataclasses.replace(options, system_prompt="")  # blank: no prefill yet
-        session = self.model.create_streaming_session(quiet, processor=self.tokenizer)
-        prompt = session._helper.prompt_ids(options.system_prompt)  # validates the prompt
-        session.options = options
-        self._slots[session_id] = _Slot(session, prefill=list(prompt))
+        session = self.model.create_streaming_session(
+            options or StreamingOptions(), processor=self.tokenizer, prefill=not incremental_prefill
+        )
+        pending = list(session.prompt_ids) if incremental_prefill else []
+        self._slots[session_id] = _Slot(session, prefill=pending)
         return session_id
 
     def prefilling(self, session_id: str) -> bool:
@@ -174,7 +170,7 @@ class BatchedEngine:
         slot = self._slot(session_id)
         if slot.flushing:
             raise SessionClosedError("a flush was requested for this session; it takes no more audio")
-        chunk = slot.session._validate(samples, sample_rate)
+        chunk = slot.session.validate(samples, sample_rate)
         if chunk.shape[0]:
             slot.pending = np.concatenate([slot.pending, chunk])
 
@@ -242,20 +238,12 @@ class BatchedEngine:
             frame = self._take_frame(session_id, slot, results)
             if frame is not None:
                 stepping.append((session_id, slot, frame))
-        groups = [[item] for item in stepping if not batchable(item[1].session)]
-        batched = [item for item in stepping if batchable(item[1].session)]
-        if batched:
-            groups.append(batched)
-        for group in groups:
-            try:
-                outputs = step_frames([slot.session for _, slot, _ in group], [frame for *_, frame in group])
+        if stepping:
+            try:  # a failing step fails its sessions' states (step_frames)
+                outputs = self._step(stepping)
             except Exception as error:  # noqa: BLE001 - reported per session
-                for session_id, slot, _ in group:
-                    slot.session._fail(error)
-                    self._slots.pop(session_id, None)
-                    results[session_id] = TickResult(error=error, finished=True)
-                continue
-            for (session_id, slot, _), events in zip(group, outputs):
+                outputs = [error] * len(stepping)
+            for (session_id, slot, _), events in zip(stepping, outputs):
                 if isinstance(events, BaseException):
                     finished = slot.session.closed  # failed inside its frame: state unusable
                     if finished:
@@ -272,23 +260,33 @@ class BatchedEngine:
                 continue
             if slot.flushing and (left == 0 or (left < self.frame_samples and not slot.pad_partial)):
                 session = slot.session
-                session._close()
+                session.close()
                 del self._slots[session_id]
                 result = results.setdefault(session_id, TickResult())
                 result.events.append(Done(frame_index=session.frame_index))
                 result.finished = True
         return results
 
+    def _step(self, stepping: list) -> list:
+        """One frame of each stepping session: :func:`~..streaming.step.step_frames` over
+        their states; one session runs its own ``push_audio`` (the same step, ``B = 1``)."""
+        if len(stepping) == 1:
+            _, slot, frame = stepping[0]
+            try:
+                return [slot.session.push_audio(frame, self.model.config.input_sample_rate)]
+            except Exception as error:  # noqa: BLE001 - reported for this session
+                return [error]
+        return step_frames([slot.session.state for _, slot, _ in stepping], [frame for *_, frame in stepping])
+
     def _prefill_one(self, session_id: str, slot: _Slot, results: dict) -> None:
-        """Run the next system-prompt token (``StreamingSession._prefill`` of one token,
-        under the session's RNG key, as its constructor does)."""
+        """Run the next system-prompt token (:func:`~..streaming.step.prefill` of one
+        token, as a solo session's constructor runs them all)."""
         session = slot.session
         token = slot.prefill.pop(0)
         try:
-            with session._rng.active():
-                session._prefill([token])
+            prefill(session.state, [token])
         except Exception as error:  # noqa: BLE001 - reported for this session only
-            session._fail(error)
+            session.close()
             del self._slots[session_id]
             results[session_id] = TickResult(error=error, finished=True)
             return
@@ -308,11 +306,11 @@ class BatchedEngine:
             if slot.flushing:
                 slot.pending = np.zeros(0, dtype=np.float32)
             return None
-        session = slot.session
-        if session._at_limit():
+        state = slot.session.state
+        if state.at_limit():
             slot.pending = np.zeros(0, dtype=np.float32)
             slot.flushing = False
-            results[session_id] = TickResult(error=ContextLimitError(session._limit_message()))
+            results[session_id] = TickResult(error=ContextLimitError(state.limit_message()))
             return None
         slot.pending = rest
         return frame

@@ -5,15 +5,16 @@ products over the two cores (:mod:`mlx_voicechat_plugin.accel.cpu.parallel`): th
 elementwise operations, convolutions, the MoG sampling and most of the codec of a batched
 tick run on one. Every row of a batched stage gets its solo bits whatever rows run beside
 it (the engine's exactness tests), so a stage can as well run as two groups of rows, each
-built under its own context from :meth:`~mlx_voicechat_plugin.model.execution.Execution.lanes`:
+built under its own context from :meth:`~mlx_voicechat_plugin.execution.Execution.lanes`:
 on a CPU model the first on the calling thread's default stream, the second on its
 secondary stream, products whole in both; both are joined by the tick's one final
 ``mx.eval`` (no extra host round trip). On any other device, without the CPU layer, with
 one core, with ``MLX_VOICECHAT_CPU_SPLIT=0``, with fewer than :data:`MIN_LANE_ROWS` rows,
 or with ``MLX_VOICECHAT_BATCH_LANES=0``, a stage runs as one group as before.
 
-:mod:`.frame` can run the encoder layers (:func:`.perception.encode_frames`), EAR-TTS with
-its noise (:func:`.speech.draw_noise_rows`, :func:`.speech.speech_step`) and the codec
+:func:`~..streaming.step.step_frames` can run the encoder layers
+(:func:`.encoder_rows.encode_frames`), EAR-TTS with its noise
+(:func:`.speech_sampling.draw_noise_rows`, :func:`.speech.speech_step`) and the codec
 (:func:`.codec.codec_decode`) in lanes; by default only the codec does
 (:data:`LANE_STAGES`). The language model's step (large products, already split) runs
 whole.
@@ -27,7 +28,7 @@ import os
 from collections.abc import Callable
 
 from ...environment import OFF, ON, cut, shown
-from ...model.execution import execution_of
+from ...execution import execution_of
 
 #: Environment switch: ``0`` runs every batched stage as one group of rows, ``1`` (the
 #: default) runs :data:`LANE_STAGES` in lanes, a comma-separated list of :data:`STAGES`
@@ -35,7 +36,7 @@ from ...model.execution import execution_of
 LANES_ENV = "MLX_VOICECHAT_BATCH_LANES"
 #: Fewest rows (sessions) of a stage that run in two lanes.
 MIN_LANE_ROWS = 2
-#: The stages of :mod:`.frame` that can run in lanes (names passed to :func:`in_lanes`).
+#: The stages of the streaming step that can run in lanes (names passed to :func:`in_lanes`).
 STAGES = frozenset({"encoder", "speech", "codec"})
 #: The stages run in lanes by default. Only the codec: its rows are mostly activations
 #: (1,764 samples each), so two lanes cost about the CPU time of one; EAR-TTS's and the
@@ -66,14 +67,9 @@ def lane_stages() -> frozenset:
     return names
 
 
-def lanes_enabled() -> bool:
-    """False when ``MLX_VOICECHAT_BATCH_LANES`` is ``0`` / ``false`` / ``no`` / ``off``."""
-    return bool(lane_stages())
-
-
 def _running_stages() -> frozenset:
     """:func:`lane_stages` for a running tick: the engine checked the switch when it was made
-    (:class:`~.engine.BatchedEngine`); a value made invalid since (by the embedding program)
+    (:class:`~..batch.BatchedEngine`); a value made invalid since (by the embedding program)
     is logged once and the default stages run, so no tick fails its sessions for it."""
     try:
         return lane_stages()

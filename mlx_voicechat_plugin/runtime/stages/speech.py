@@ -1,4 +1,9 @@
-"""One EAR-TTS step for many sessions, with classifier-free guidance and per-session noise.
+"""EAR-TTS of a streaming session: its state and one step over one or many sessions.
+
+:class:`SpeechState` holds one session's EAR-TTS KV caches (rotating for sliding layers,
+warmed with the Aria prompt) and its fed-back codes; :func:`speech_step` advances one or
+many sessions by one frame, with classifier-free guidance and per-session noise
+(:mod:`.speech_sampling`).
 
 Follows upstream ``mlx_vlm.models.nemotron_voicechat.tts`` (``RVQEARTTSModel.step``,
 ``generate_codes``, ``MoGHead.infer``) and mlx-vlm's ``Gemma3Model.__call__`` /
@@ -13,16 +18,14 @@ laid out as upstream lays out one session's, generalised to ``B``:
   projections and norms, rotary embedding at each row's position, output projection);
   each session's cache (rotating for sliding layers) is updated with its own two rows, as
   mlx-vlm's Gemma3 ``Attention.__call__`` does, and each session's pair attends over its
-  own keys (one call per session on the CPU, one padded call elsewhere:
-  :func:`.rows.attend_sessions`);
+  own keys (one call per session or one padded call, as the model's execution policy
+  says: :func:`.rows.attend_sessions`); one session runs upstream's own backbone call;
 * the text condition is each session's own (memoised, one row pair each), as alone;
 * the sampling noise (``uniform`` for the Gumbel choice, ``normal`` for the residual) is
   drawn per session from its own RNG key, in the order its solo step draws it, and stacked.
 """
 
 from __future__ import annotations
-
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -32,146 +35,42 @@ from mlx_vlm.models.base import (
     scaled_dot_product_attention,
 )
 from mlx_vlm.models.gemma3.language import clip_residual
-from mlx_vlm.models.nemotron_voicechat.tts import _top_p_logits
 
+from ...execution import execution_of
+from ..timeline import tts_prompt
+from .language import cache_arrays
 from .rows import attend_sessions, join_guided
+from .speech_sampling import guided_codes
 
 
-def mask_counts(config) -> list[int]:
-    """Codebooks completed per MoG iteration (upstream ``generate_codes``' schedule)."""
-    rates = [i / config.num_iterations for i in range(config.num_iterations)]
-    masked = [
-        math.ceil(((1.0 - rate**config.exponent) ** (1.0 / config.exponent)) * config.num_quantizers)
-        for rate in rates
-    ]
-    return [masked[i] - (masked[i + 1] if i + 1 < len(masked) else 0) for i in range(len(masked))]
+class SpeechState:
+    """One session's EAR-TTS state: KV caches warmed with the Aria prompt, fed-back codes.
 
-
-def draw_noise(tts) -> list[tuple[mx.array, mx.array]]:
-    """One session's sampling noise for one frame, from the current global MLX key.
-
-    Returns ``(uniform (1, 1, num_predictions), normal (1, 1, latent))`` per non-empty MoG
-    iteration, drawn in upstream's order (``MoGHead.infer``'s uniform, then
-    ``generate_codes``' normal). Call inside the session's ``SessionRNG.active()``.
+    Attributes:
+        cache: the backbone's per-layer caches (rotating for sliding layers).
+        previous_code: ``(1, 1, 31)`` int32, the codes fed back at the next step.
     """
-    config = tts.config
-    noise = []
-    for count in mask_counts(config):
-        if count == 0:
-            continue
-        uniform = mx.random.uniform(shape=(1, 1, config.mog_head.num_predictions))
-        normal = mx.random.normal((1, 1, config.latent_size))
-        noise.append((uniform, normal))
-    return noise
 
+    def __init__(self, model):
+        self.model = model
+        self.reset()
 
-_split = mx.vmap(mx.random.split)
+    def reset(self) -> None:
+        """Warm fresh caches with the silent Aria prompt (upstream ``RVQEARTTSModel.warmup``)."""
+        tts = self.model.tts_model.tts_model
+        prompt = tts_prompt(self.model)
+        _, self.cache = tts.warmup(*prompt[:-1], audio_prompt_latent=prompt[-1], guidance=True)
+        self.previous_code = prompt[0][:, -1:]
 
+    def state_arrays(self) -> list[mx.array]:
+        """Every array the state holds, and the model's memoised text conditions still
+        to evaluate (to evaluate with a frame's outputs)."""
+        tts = self.model.tts_model.tts_model
+        return [self.previous_code, *cache_arrays(self.cache), *tts.pending_conditions()]
 
-def draw_noise_rows(tts, seeds: list[int]) -> tuple[list[tuple[mx.array, mx.array]], mx.array]:
-    """:func:`draw_noise` of ``B`` sessions at once, each from its own key, lazily.
-
-    MLX's global draw (``mx.random.uniform(shape)`` without a key) splits the global key
-    into ``(next key, subkey)`` and draws from the subkey; drawing from explicit subkeys
-    split the same way gives the same bits (``tests/test_batch_rows.py``). Here the
-    sessions' keys are stacked ``(B, 2)`` uint32 and split with ``vmap`` (one split per
-    draw for all rows), and each draw kind of every iteration and row comes from one
-    ``vmap``-ed call: no host round trip and about the same number of operations for any
-    ``B`` (``SessionRNG.active`` reads the key back to the host twice per session).
-
-    Args:
-        tts: the EAR-TTS model (its config gives the shapes and the MoG schedule).
-        seeds: per session the integer key of its ``SessionRNG`` (``[k >> 32, k & 0xffffffff]``).
-
-    Returns:
-        ``(noise, keys)``: per non-empty MoG iteration ``(uniform (B, 1, num_predictions),
-        normal (B, 1, latent))`` float32, row ``i`` bit-identical to session ``i``'s
-        :func:`draw_noise`; and the ``(B, 2)`` uint32 keys after the draws (to store back
-        with :func:`key_values` once evaluated).
-    """
-    config = tts.config
-    keys = mx.stack([mx.random.key(seed) for seed in seeds])
-    uniform_keys, normal_keys = [], []
-    for count in mask_counts(config):
-        if count == 0:
-            continue
-        pair = _split(keys)
-        keys, uniform_key = pair[:, 0], pair[:, 1]
-        pair = _split(keys)
-        keys, normal_key = pair[:, 0], pair[:, 1]
-        uniform_keys.append(uniform_key)
-        normal_keys.append(normal_key)
-    if not uniform_keys:
-        return [], keys
-    predictions, latent = config.mog_head.num_predictions, config.latent_size
-    uniform = mx.vmap(mx.vmap(lambda key: mx.random.uniform(shape=(1, predictions), key=key)))(
-        mx.stack(uniform_keys, axis=1)
-    )  # (B, iterations, 1, P)
-    normal = mx.vmap(mx.vmap(lambda key: mx.random.normal((1, latent), key=key)))(
-        mx.stack(normal_keys, axis=1)
-    )  # (B, iterations, 1, L)
-    noise = [(uniform[:, index], normal[:, index]) for index in range(len(uniform_keys))]
-    return noise, keys
-
-
-def key_values(keys: mx.array) -> list[int]:
-    """Evaluated ``(B, 2)`` uint32 MLX keys as the integers ``SessionRNG`` keeps."""
-    return [(high << 32) | low for high, low in keys.tolist()]
-
-
-def _mog_infer(head, x, guidance_scale, top_p, uniform, top_p_logits=_top_p_logits):
-    """Upstream ``MoGHead.infer`` with the uniform noise given (``(B, 1, P)``); ``top_p_logits``
-    computes upstream's ``_top_p_logits`` (the CPU layer's EAR-TTS class gives a kernel's)."""
-    for layer in head.mlp_stack:
-        x = layer(x)
-    if guidance_scale > 0.0:
-        half = x.shape[0] // 2
-        cond, uncond = x[:half], x[half:]
-        x = cond + guidance_scale * (cond - uncond)
-    b, t, _ = x.shape
-    logits = top_p_logits(head.proj_logits(x), top_p)
-    gumbel = -mx.log(-mx.log(uniform + 1e-8) + 1e-8)
-    component = mx.argmax(mx.log(mx.softmax(logits.astype(mx.float32), axis=-1)) + gumbel, axis=-1)
-    flat_x = x.reshape(-1, x.shape[-1])
-    flat_component = component.reshape(-1)
-    mus = head.proj_mus.weight.reshape(head.num_predictions, head.low_rank, -1)[flat_component]
-    mu = mx.matmul(mus, flat_x[..., None]).squeeze(-1)
-    low_mat = head.low_mat[flat_component]
-    mu = mx.matmul(low_mat, mu[..., None]).squeeze(-1).reshape(b, t, head.out_size)
-    residual = head.proj_else(x)
-    logs = mx.maximum(head.proj_logs(x), head.min_log_std)
-    return mu * mx.exp(logs) + residual, logs
-
-
-def generate_codes(tts, hidden: mx.array, noise: list[tuple[mx.array, mx.array]]) -> mx.array:
-    """Upstream ``generate_codes`` over ``(2B, 1, d)`` guided rows with per-session noise.
-
-    Args:
-        noise: per non-empty MoG iteration ``(uniform (B, 1, P), normal (B, 1, latent))``,
-            row ``i`` session ``i``'s draws (:func:`draw_noise_rows`).
-
-    Returns:
-        ``(B, 1, 31)`` int32 codes.
-    """
-    config = tts.config
-    top_p_logits = getattr(tts, "top_p_logits", _top_p_logits)  # the CPU layer's: one kernel
-    half = hidden.shape[0] // 2
-    conditional, unconditional = hidden[:half], hidden[half:]
-    code = mx.full((*conditional.shape[:2], config.num_quantizers), config.codebook_size, dtype=mx.int32)
-    completed = 0
-    iteration = 0
-    for count in mask_counts(config):
-        if count == 0:
-            continue
-        uniform, normal = noise[iteration]
-        iteration += 1
-        embedded = tts.embed_code(tts.depthsum_embedding(code))
-        mog_input = mx.concatenate([embedded + conditional, embedded + unconditional], axis=0)
-        mu, logs = _mog_infer(tts.mog_head, mog_input, config.guidance_scale, config.top_p, uniform, top_p_logits)
-        residual = mu + mx.exp(logs) * normal * config.noise_scale
-        code = tts._rvq_encode_step(residual, code, completed, count)
-        completed += count
-    return code
+    def evaluated(self) -> None:
+        """Call after evaluating :meth:`state_arrays` (memoised conditions become reusable)."""
+        self.model.tts_model.tts_model.commit_conditions()
 
 
 def _mask_cache(caches: list, layer_index: int, pattern: int):
@@ -195,7 +94,7 @@ def _groups(caches: list, layer_index: int, pattern: int) -> list[list[int]]:
     return list(groups.values())
 
 
-def _attention(layer, x, caches: list, layer_index: int, window: int, pattern: int):
+def _attention(layer, x, caches: list, layer_index: int, window: int, pattern: int, per_session: bool):
     """The block's self-attention (mlx-vlm Gemma3 ``Attention.__call__``) for ``2B`` guided
     rows ``[cond_0 .. cond_{B-1}, uncond_0 .. uncond_{B-1}]`` ``(2B, 1, d)`` -> ``(2B, 1, d)``.
 
@@ -236,14 +135,14 @@ def _attention(layer, x, caches: list, layer_index: int, window: int, pattern: i
     ]
     output = attend_sessions(
         q, fetched, [session_caches[layer_index] for session_caches in caches], attention.scale,
-        per_session=mx.default_device() == mx.cpu, rows=2,
+        per_session=per_session, rows=2,
     )
     output = output.transpose(0, 2, 1, 3).reshape(2 * sessions, 1, -1)
     back = mx.array([2 * index + half for half in range(2) for index in range(sessions)])
     return attention.o_proj(output[back])
 
 
-def _attention_grouped(layer, x, caches: list, layer_index: int, window: int, pattern: int):
+def _attention_grouped(layer, x, caches: list, layer_index: int, window: int, pattern: int, per_session: bool = True):
     """The block's self-attention (mlx-vlm Gemma3 ``Attention.__call__``) for ``2B`` guided
     rows when some session's attention needs a mask (a sliding window past its length):
     projections, query/key norms over all rows; per group of sessions at the same
@@ -251,7 +150,7 @@ def _attention_grouped(layer, x, caches: list, layer_index: int, window: int, pa
     embedding, one attention call over the group's rows against each session's own cache
     (updated per session), the mask built as for the group's first session. Every row is
     computed as in its session's solo call (row-wise norms and rotary embedding, attention
-    per batch item)."""
+    per batch item). ``per_session`` is :func:`_attention`'s (each group is one call here)."""
     attention = layer.self_attn
     sessions = len(caches)
     q = attention.q_proj(x).reshape(2 * sessions, 1, attention.n_heads, -1).transpose(0, 2, 1, 3)
@@ -310,16 +209,17 @@ def _attention_grouped(layer, x, caches: list, layer_index: int, window: int, pa
     return attention.o_proj(whole)
 
 
-def backbone_step(backbone, inputs: mx.array, caches: list[list]) -> mx.array:
+def backbone_step(backbone, inputs: mx.array, caches: list[list], per_session: bool = True) -> mx.array:
     """mlx-vlm ``Gemma3Model.__call__`` (inputs_embeds, no scaling) for one position of
-    ``B`` sessions: ``inputs`` ``(2B, 1, d)`` guided rows -> hidden ``(2B, 1, d)``."""
+    ``B`` sessions: ``inputs`` ``(2B, 1, d)`` guided rows -> hidden ``(2B, 1, d)``;
+    ``per_session``: :meth:`~mlx_voicechat_plugin.execution.Execution.attention_per_session`."""
     if backbone.scale_inputs_embeds:
         raise ValueError("the EAR-TTS backbone does not scale its input embeddings")
     h = inputs
     pattern = backbone.sliding_window_pattern
     for index, layer in enumerate(backbone.layers):
         x = clip_residual(h)
-        r = _attention(layer, layer.input_layernorm(x), caches, index, backbone.window_size, pattern)
+        r = _attention(layer, layer.input_layernorm(x), caches, index, backbone.window_size, pattern, per_session)
         h = layer.post_attention_layernorm(r)
         h = clip_residual(x + h)
         r = layer.mlp(layer.pre_feedforward_layernorm(h))
@@ -328,17 +228,21 @@ def backbone_step(backbone, inputs: mx.array, caches: list[list]) -> mx.array:
     return backbone.norm(h)
 
 
-def speech_step(model, states: list, text_ids: list[int], noise: list) -> list[mx.array]:
-    """Advance the EAR-TTS state of ``B`` sessions by one frame (none at its first position).
+def speech_step(model, states: list, text_ids: list[int], noise: list, clock=None) -> list[mx.array]:
+    """Advance the EAR-TTS state of one or many sessions by one frame (upstream
+    ``RVQEARTTSModel.step`` with the guidance pair of each session, past its first position).
 
     Args:
-        states: each session's :class:`~..streaming.stages.SpeechState`.
-        text_ids: each session's text token of this frame.
-        noise: the frame's noise of all ``B`` sessions (:func:`draw_noise_rows`).
+        states: each session's :class:`SpeechState`.
+        text_ids: each session's text token of this frame (an EOS token first resets its
+            fed-back codes to the codec silence, as the reference does).
+        noise: the frame's noise of all ``B`` sessions
+            (:func:`~.speech_sampling.draw_noise_rows`).
+        clock: a profiling :class:`~..streaming.profile.FrameClock` (sub-stage marks
+            ``tts.backbone`` and ``tts.mog_head``), or None.
 
     Returns:
-        Per session its ``(1, 1, 31)`` codes (also stored as its ``previous_code``), equal to
-        ``SpeechState.step(text_id, first=False)`` run alone.
+        Per session its ``(1, 1, 31)`` int32 codes (also stored as its ``previous_code``).
     """
     tts = model.tts_model.tts_model
     config = model.config
@@ -348,20 +252,28 @@ def speech_step(model, states: list, text_ids: list[int], noise: list) -> list[m
         if text_id == config.eos_token_id:
             state.previous_code = mx.broadcast_to(silence, state.previous_code.shape)
         previous.append(state.previous_code)
-    code = mx.concatenate(previous, axis=0)
+    code = previous[0] if len(previous) == 1 else mx.concatenate(previous, axis=0)
     code_embed = tts.embed_code(tts.depthsum_embedding(code))
     code_embed = mx.concatenate([code_embed, code_embed], axis=0)
     conditions = []
     for text_id in text_ids:
         current = mx.array([[text_id]], dtype=mx.int32)
-        # a host-built mask, as SpeechState._step: the memo key reads it back without an evaluation
+        # A host-built mask: the memo key reads it back, and a lazy ``mx.ones`` would make
+        # that readback an extra evaluation (host round trip) every frame.
         mask = mx.array(np.ones(current.shape, dtype=np.bool_))
         conditions.append(tts._condition(current, mask, 1, True))
-    cond = join_guided(conditions)
-    hidden = backbone_step(tts.backbone, tts.gated_fusion_audio_text(code_embed, cond), [s.cache for s in states])
-    codes = generate_codes(tts, hidden, noise)
+    inputs = tts.gated_fusion_audio_text(code_embed, conditions[0] if len(conditions) == 1 else join_guided(conditions))
+    if len(states) == 1:  # upstream's own call
+        hidden = tts.backbone(None, inputs_embeds=inputs, cache=states[0].cache)
+    else:
+        hidden = backbone_step(tts.backbone, inputs, [s.cache for s in states], execution_of(model).attention_per_session())
+    if clock is not None:
+        clock.mark("tts.backbone", hidden)
+    codes = guided_codes(tts)(hidden, noise)
+    if clock is not None:
+        clock.mark("tts.mog_head", codes)
     results = []
     for index, state in enumerate(states):
-        state.previous_code = codes[index : index + 1]
+        state.previous_code = codes if len(states) == 1 else codes[index : index + 1]
         results.append(state.previous_code)
     return results

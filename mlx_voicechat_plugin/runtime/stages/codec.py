@@ -1,4 +1,7 @@
-"""The streaming codec decode for many sessions: their overlap caches stacked as rows.
+"""The streaming codec of a session: its overlap state, and one decode over many sessions.
+
+:class:`CodecState` holds one session's overlap cache; :func:`codec_decode` decodes one
+frame of every session, their caches stacked as rows.
 
 Upstream ``mlx_audio.codec.models.nemotron_voicechat.NemotronVoiceChatCodec.decode_step``
 keeps every causal convolution's and the iSTFT's overlap in a ``CausalConv1dCache``
@@ -79,6 +82,27 @@ class CodecRows:
             setattr(cache, _GROUP, self)
         self.valid = True
         return mx.split(samples, count, axis=0)
+
+
+class CodecState:
+    """One session's streaming-codec state: upstream's ``CausalConv1dCache`` (per causal
+    convolution and the iSTFT, ``{layer: (1, padding, channels)}``; empty before the first
+    decoded frame)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """An empty overlap cache (a fresh stream)."""
+        self.cache = CausalConv1dCache()
+
+    def clear(self) -> None:
+        """Drop the cached arrays (the session closed)."""
+        self.cache.clear()
+
+    def state_arrays(self) -> list[mx.array]:
+        """Every array the cache holds (to evaluate with a frame's outputs)."""
+        return list(self.cache.cache.values())
 
 
 def _stack(caches: list[CausalConv1dCache]) -> CausalConv1dCache:

@@ -1,20 +1,20 @@
-"""Cache-aware FastConformer frames of many sessions: per-session front end, batched blocks.
+"""Cache-aware FastConformer frames of one or many sessions: batched blocks.
 
-Per session, as alone: the log-mel front end (``MelFrontend``) and, following upstream
-``ConformerStreamingState.push(mel, emit_partial=True)`` and our
-``ProjectedStreamingState._encode_mel_chunk``, the bookkeeping of the subsampling
-pre-encoder's mel window. The subsampling then runs once for the sessions whose windows
-have the same length and keep the same rows (all of them once they stream in step), over
-their stacked windows, computing only the subsampled rows the frame keeps
-(:func:`pre_encode_rows`; a solo frame recomputes its whole window). Each chunk's encoder
+Per session: the bookkeeping of the subsampling pre-encoder's mel window, following
+upstream ``ConformerStreamingState.push(mel, emit_partial=True)`` and ``_encode_mel_chunk``.
+The subsampling then runs once for the sessions whose windows have the same length and
+keep the same rows (all of them once they stream in step), over their stacked windows,
+computing only the subsampled rows the frame keeps (:func:`pre_encode_rows`; upstream
+recomputes the whole window). Each chunk's encoder
 layers then run for all sessions at once, chunk by chunk ("rounds": a session's second chunk of a frame, if any,
 follows its first): the feed-forward modules, norms, key/value projections, pointwise
 convolutions, the depthwise convolution over the stacked windows and the batch norm run over
-the stacked ``(B, 1, d)`` rows; the attention (:func:`~..streaming.conformer._attend`,
+the stacked ``(B, 1, d)`` rows; the attention (:func:`.encoder.attend`,
 upstream ``RelPositionMultiHeadAttention.stream``) runs once per group of sessions whose
 windows hold the same number of frames (every session after ``left_context`` frames), over
 their stacked rows and retained keys and values.
-A round whose chunks are not one encoder frame each runs each session's own blocks.
+A round whose chunks are not one encoder frame each runs each session's blocks alone.
+One session is the same computation with ``B = 1``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_audio.stt.models.nemotron_asr.streaming import _PRE_ENCODE_MEL_CACHE
 
-from ..streaming.conformer import _attend
+from .encoder import attend
 
 
 def _strided_lengths(subsampling, length: int) -> list[int]:
@@ -96,7 +96,7 @@ def _trimmable(subsampling) -> bool:
 
 
 def _pre_encode(state, m: mx.array, include_boundary: bool) -> tuple[mx.array, int, int] | None:
-    """``ProjectedStreamingState._encode_mel_chunk``'s bookkeeping up to (not including) the
+    """Upstream ``ConformerStreamingState._encode_mel_chunk``'s bookkeeping up to (not including) the
     layers: the chunk's mel window and the subsampled rows ``[lo, hi)`` it keeps (None:
     none), computed later for all sessions at once (:func:`_subsample`)."""
     cache_len = 0 if state.mel_cache is None else state.mel_cache.shape[1]
@@ -167,7 +167,7 @@ def _attention(index: int, attention, states: list, xn: mx.array) -> mx.array:
 
     Sessions whose windows hold the same number of frames (all of them once every session
     has run ``left_context`` frames, or when they joined together) share one
-    :func:`~..streaming.conformer._attend` call over their stacked rows, retained keys and
+    :func:`.encoder.attend` call over their stacked rows, retained keys and
     values and the same position embedding; each row is computed as alone (row-wise
     products, per-row attention).
     """
@@ -191,7 +191,7 @@ def _attention(index: int, attention, states: list, xn: mx.array) -> mx.array:
             values = mx.concatenate([_stacked([state.value_cache[index] for state in group]), values], axis=1)
         first = states[members[0]]
         pos_emb = first.encoder.pos_enc.pos_emb_for(kv.shape[1], xn.dtype)
-        pieces.append(_attend(attention, xn_rows, keys, values, pos_emb))
+        pieces.append(attend(attention, xn_rows, keys, values, pos_emb))
         order += members
         left = first.left_cache
         for position, row in enumerate(members):
@@ -209,7 +209,9 @@ def _attention(index: int, attention, states: list, xn: mx.array) -> mx.array:
 
 
 def _block(index: int, block, states: list, x: mx.array) -> mx.array:
-    """``ProjectedStreamingState._block`` for layer ``index`` over one row per session."""
+    """Upstream ``_stream_block`` for layer ``index`` over the rows of ``states``: one row
+    per session, or one session's ``(1, n, d)`` rows; the attention with the cached
+    key/value projections (:class:`.encoder.ProjectedStreamingState`)."""
     residual = x + 0.5 * block.feed_forward1(block.norm_feed_forward1(x))
     xn = block.norm_self_att(residual)
     residual = residual + _attention(index, block.self_attn, states, xn)
@@ -263,6 +265,6 @@ def encode_frames(encoder, states: list, mels: list[mx.array]) -> list[list[mx.a
             continue
         for i, h in zip(members, hs):
             for index, block in enumerate(encoder.layers):
-                h = states[i]._block(index, block, h)
+                h = _block(index, block, [states[i]], h)
             outputs[i].append(h)
     return outputs

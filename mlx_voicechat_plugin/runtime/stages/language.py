@@ -1,4 +1,9 @@
-"""One Nemotron-H step for many sessions: row-wise layers on stacked rows, caches per session.
+"""The language model of a streaming session: its state and one Nemotron-H step over rows.
+
+:class:`LanguageState` holds one session's persistent caches (Mamba2 convolution and SSM
+state, attention KV caches), or, with ``use_language_cache=False`` (diagnostic), the fused
+inputs so far, recomputed every position as the reference's default does.
+:func:`language_step` advances one or many sessions by one position.
 
 Follows upstream ``mlx_vlm.models.nemotron_h.language.NemotronHModel.__call__`` and
 ``NemotronHBlock.__call__`` for a single position (``L = 1``), with ``B`` sessions stacked
@@ -12,11 +17,12 @@ as rows of ``(B, 1, hidden)``:
 * ``*`` blocks (attention): the query/key/value and output projections run once over all
   rows; each session's own ``KVCache`` takes its row, and each row attends over its own
   session's keys (one call per session on the CPU, one padded and masked call over all
-  rows elsewhere: :func:`~.rows.attend_sessions`).
+  rows elsewhere, as the model's execution policy says:
+  :func:`~.rows.attend_sessions`).
 
 Every session must have used its caches already (a prefilled prompt or one frame): a
-fresh cache (``None`` state) or one whose mask is not ``None`` sends the whole step down the
-per-session path, which is the solo computation.
+fresh cache (``None`` state), one whose mask is not ``None``, a diagnostic session or a
+single session send the step down the per-session path, upstream's own call per session.
 """
 
 from __future__ import annotations
@@ -25,7 +31,51 @@ import mlx.core as mx
 from mlx_vlm.models.base import create_attention_mask, create_ssm_mask
 from mlx_vlm.models.cache import ArraysCache
 
+from ...execution import execution_of
 from .rows import attend_sessions
+
+
+def cache_arrays(caches) -> list[mx.array]:
+    """The arrays held by mlx-vlm KV / Mamba caches (to evaluate them in place)."""
+    arrays: list[mx.array] = []
+    for entry in caches or []:
+        if hasattr(entry, "keys") and not callable(entry.keys):
+            candidates = [entry.keys, entry.values]
+        else:
+            candidates = list(getattr(entry, "cache", []) or [])
+        arrays.extend(value for value in candidates if isinstance(value, mx.array))
+    return arrays
+
+
+class LanguageState:
+    """One session's Nemotron-H state: persistent caches, or the fused-input history.
+
+    Args:
+        model: the loaded model.
+        use_cache: keep the caches (default); False keeps the ``(1, 1, hidden)`` fused
+            inputs and recomputes the whole history every position (diagnostic).
+    """
+
+    def __init__(self, model, use_cache: bool):
+        self.model = model
+        self.use_cache = use_cache
+        self.reset()
+
+    def reset(self) -> None:
+        """Fresh caches (or an empty history)."""
+        self.cache = self.model.stt_model.make_cache() if self.use_cache else None
+        self.history: list[mx.array] = []
+
+    def step(self, fused: mx.array):
+        """Run one ``(1, 1, hidden)`` fused position alone; returns upstream ``VoiceChatOutput``."""
+        if self.cache is not None:
+            return self.model.stt_model(fused, cache=self.cache)
+        self.history.append(fused)
+        return self.model.stt_model(mx.concatenate(self.history, axis=1))
+
+    def state_arrays(self) -> list[mx.array]:
+        """Every array the caches hold (to evaluate with a frame's outputs)."""
+        return cache_arrays(self.cache)
 
 
 def _stackable(llm, caches: list[list], rows: list[mx.array]) -> bool:
@@ -61,7 +111,7 @@ def _mamba(mixer, x: mx.array, entries: list) -> mx.array:
     return output
 
 
-def _attention(attention, x: mx.array, entries: list) -> mx.array:
+def _attention(attention, x: mx.array, entries: list, per_session: bool) -> mx.array:
     """Upstream ``NemotronHAttention.__call__`` for ``B`` one-position rows: projections
     over all rows, each session's cache updated with its row (``entries[i]`` with row
     ``i``), then each row attends over its own session's keys on the CPU, or one call
@@ -74,7 +124,7 @@ def _attention(attention, x: mx.array, entries: list) -> mx.array:
     fetched = [
         cache.update_and_fetch(keys[row : row + 1], values[row : row + 1]) for row, cache in enumerate(entries)
     ]
-    output = attend_sessions(queries, fetched, entries, attention.scale, per_session=mx.default_device() == mx.cpu)
+    output = attend_sessions(queries, fetched, entries, attention.scale, per_session=per_session)
     return attention.o_proj(output.transpose(0, 2, 1, 3).reshape(sessions, 1, -1))
 
 
@@ -83,13 +133,13 @@ def language_step(model, states: list, fused: mx.array) -> tuple[mx.array, mx.ar
 
     Args:
         model: the loaded VoiceChat model.
-        states: one :class:`~..streaming.stages.LanguageState` per row of ``fused``.
+        states: one :class:`LanguageState` per row of ``fused``.
         fused: ``(B, 1, hidden)`` fused inputs (text + audio + function embeddings), one
             row per session, in the order of ``states``.
 
     Returns:
-        ``(text_logits, function_logits)``, each ``(B, 1, vocab)``, row ``i`` equal to what
-        ``states[i].step(fused[i:i+1])`` returns alone.
+        ``(text_logits, function_logits)``, each ``(B, 1, vocab)``, row ``i`` equal to the
+        last position of what ``states[i].step(fused[i:i+1])`` returns alone.
     """
     stt = model.stt_model
     llm = stt.llm
@@ -97,10 +147,13 @@ def language_step(model, states: list, fused: mx.array) -> tuple[mx.array, mx.ar
     caches = [state.cache for state in states]
     if len(states) == 1 or not _stackable(llm, caches, rows):
         outputs = [state.step(row) for state, row in zip(states, rows)]
-        return (
-            mx.concatenate([output.text_logits for output in outputs], axis=0),
-            mx.concatenate([output.function_logits for output in outputs], axis=0),
+        if len(outputs) == 1:
+            return outputs[0].text_logits[:, -1:], outputs[0].function_logits[:, -1:]
+        return (  # the last position of each (a diagnostic history holds them all)
+            mx.concatenate([output.text_logits[:, -1:] for output in outputs], axis=0),
+            mx.concatenate([output.function_logits[:, -1:] for output in outputs], axis=0),
         )
+    per_session = execution_of(model).attention_per_session()
     hidden = fused
     index = 0
     for layer in llm.layers:
@@ -109,7 +162,7 @@ def language_step(model, states: list, fused: mx.array) -> tuple[mx.array, mx.ar
             mixed = _mamba(layer.mixer, normed, [cache[index] for cache in caches])
             index += 1
         elif layer.block_type == "*":
-            mixed = _attention(layer.mixer, normed, [cache[index] for cache in caches])
+            mixed = _attention(layer.mixer, normed, [cache[index] for cache in caches], per_session)
             index += 1
         else:
             mixed = layer.mixer(normed)

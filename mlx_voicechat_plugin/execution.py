@@ -1,5 +1,8 @@
 """How the runtime schedules a model's concurrent work: plain MLX on the model's device.
 
+This is execution policy, kept outside the model modules (which stay plain MLX and run
+on any device) and outside the runtime (which asks, and never checks a device itself).
+
 The runtime asks the loaded model for these contexts (:func:`execution_of`):
 
 * :meth:`Execution.side` wraps work inside a streamed frame that does not depend on the
@@ -8,7 +11,12 @@ The runtime asks the loaded model for these contexts (:func:`execution_of`):
   RNNT transcript), which already runs on its thread's own stream of the device the job was
   submitted from (:mod:`mlx_voicechat_plugin.runtime.workers`);
 * :meth:`Execution.lanes` gives the contexts under which a batched stage's row groups are
-  built (one lane by default; two CPU streams on a CPU model).
+  built (one lane by default; two CPU streams on a CPU model);
+* :meth:`Execution.compiled_by_default` says whether ``MLX_VOICECHAT_COMPILE=auto``
+  compiles the static-shape blocks (:mod:`mlx_voicechat_plugin.runtime.compiled`);
+* :meth:`Execution.attention_per_session` says how a batched one-query attention over
+  sessions' KV caches of different lengths runs: one call per session, or one call over
+  the keys zero-padded and masked (the same bits per row either way).
 
 The default does nothing beyond MLX's defaults, so it is right on every device. An optional
 acceleration layer (:mod:`mlx_voicechat_plugin.accel`) may give a model another policy at
@@ -18,6 +26,8 @@ load time by setting ``model.execution``; the runtime never imports that layer.
 from __future__ import annotations
 
 import contextlib
+
+import mlx.core as mx
 
 
 class Execution:
@@ -36,9 +46,22 @@ class Execution:
 
     def lanes(self, rows: int) -> list:
         """Fresh contexts, one per lane, under which a batched stage of ``rows`` independent
-        rows builds its row groups (:mod:`mlx_voicechat_plugin.runtime.batch.lanes`;
+        rows builds its row groups (:mod:`mlx_voicechat_plugin.runtime.stages.lanes`;
         default: one lane, the caller's stream)."""
         return [contextlib.nullcontext()]
+
+    def attention_per_session(self) -> bool:
+        """True: attend one call per session over its own keys (on MLX's CPU backend
+        cheaper than stacking, which copies every session's keys on every layer of every
+        tick); False: one padded, masked call over all rows (fewer kernel launches, for
+        GPUs). Default: True when the default device is the CPU."""
+        return mx.default_device() == mx.cpu
+
+    def compiled_by_default(self) -> bool:
+        """True when ``MLX_VOICECHAT_COMPILE=auto`` (the default) should compile the
+        static-shape blocks: on a GPU, where they save kernel launches; not on the CPU,
+        where compilation costs more than it saves. Default: the default device is a GPU."""
+        return mx.default_device().type == mx.DeviceType.gpu
 
 
 #: The policy of a model that no acceleration layer changed.

@@ -1,36 +1,104 @@
-"""The streaming RNNT decode of many sessions: one greedy decode over stacked rows.
+"""The streaming RNNT transcript: its state and one greedy decode over stacked rows.
 
-:class:`~..streaming.stages.TranscriptState` decodes one session's encoder frame: a first
-step (``schedule``) read back with the language model's ids, then, when it emitted, the
-remaining ``max_symbols - 1`` steps masked after the first blank (``schedule_rest``),
-evaluated with the frame's outputs. Here both run once over the rows of all sessions:
+:class:`TranscriptState` holds one session's decoding state (last emitted token, LSTM
+state, transcript). Each frame decodes every session's encoder frame at once: a first step
+(:func:`schedule_rows`) read back with the language model's ids, then, for the rows that
+emitted, the remaining ``max_symbols - 1`` steps masked after the first blank
+(:func:`schedule_rest_rows`), evaluated with the frame's outputs; :meth:`TranscriptState.commit`
+applies the read-back symbols. The decisions are upstream ``streaming._RNNTState``'s (per
+encoder frame, emit symbols until blank or ``max_symbols``), without a host round trip
+per symbol, inside the model's side-work context
+(:meth:`~mlx_voicechat_plugin.execution.Execution.side`; the CPU layer gives it its
+own CPU stream, so it runs beside the language model, EAR-TTS and the codec):
 
-* the prediction network (embedding and LSTM, state ``(layers, B, H)``, :func:`_predict`), the joint and its
-  argmax over the vocabulary run on ``B`` rows; each row is the computation its session
-  runs alone (row-wise products, see :mod:`mlx_voicechat_plugin.runtime.batch`), so the
-  symbols and the states are bit-identical;
+* the prediction network (embedding and LSTM, state ``(layers, B, H)``, :func:`_predict`),
+  the joint and its argmax over the vocabulary run on ``B`` rows; each row is the
+  computation of its one-row call (row-wise products, see :mod:`mlx_voicechat_plugin.runtime.step`),
+  so the symbols and the states are bit-identical to upstream's per-session decode;
 * a session that never emitted (last token blank, no LSTM state) starts from upstream
   ``PredictNetwork``'s zero input and no state, the same for every such session: that
   prediction is computed once and broadcast to their rows;
 * the remaining steps run for every row whose first symbol was not blank, to
   ``max_symbols - 1`` steps, a row that emitted blank keeping its symbol, token and state
-  through ``mx.where`` (:func:`~..transcript.masked_step`'s rule, per row). No host round
-  trip is added: the symbols are evaluated with the frame's outputs.
-
-Each session's ``TranscriptState`` ends as its own ``schedule`` / ``schedule_rest`` leave
-it (``_scheduled`` holds its rows of the stacked state), so ``commit`` is unchanged.
+  through ``mx.where`` (:func:`~..transcript.masked_step`'s rule, per row).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_audio.stt.models.nemotron_asr import tokenizer as rnnt_tokenizer
 
-from ...model.execution import execution_of
+from ...execution import execution_of
+
+
+class TranscriptState:
+    """One session's greedy RNNT decoding state.
+
+    Attributes:
+        last_token: the last emitted symbol (the blank id before the first).
+        hidden: the LSTM ``(h, c)``, each ``(layers, 1, H)``, or None before the first.
+        tokens: the emitted non-special symbols; ``text``: their decoded, stripped text.
+        scheduled: within a frame, the LSTM state after the scheduled steps (None
+            outside a frame); ``projected``: the frame's joint encoder projection
+            ``(1, 1, d)``; ``dtype``: the encoder frames' dtype.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the first frame: no symbol emitted, no transcript."""
+        self.last_token = self.model.config.rnnt_blank_id
+        self.hidden = None
+        self.tokens: list[int] = []
+        self.text = ""
+        # Unstripped decode of ``tokens``: upstream's decode is a concatenation of per-token
+        # pieces, so each frame decodes only its new tokens (O(new), not O(session)).
+        self.decoded = ""
+        self.scheduled = None
+        self.projected = None
+        self.dtype = None
+
+    @property
+    def enabled(self) -> bool:
+        """True when the checkpoint has an RNNT vocabulary (a property of the model)."""
+        return bool(self.model.config.rnnt_vocabulary)
+
+    def state_arrays(self) -> list[mx.array]:
+        """Every array the state holds (to evaluate with a frame's outputs)."""
+        arrays = list(self.hidden) if self.hidden is not None else []
+        return arrays + list(self.scheduled or ())
+
+    def commit(self, symbols: list[int]) -> tuple[str, str] | None:
+        """Apply a frame's read-back symbols (-1 ends them); return ``(delta, text)`` when
+        the transcript changed."""
+        vocabulary = self.model.config.rnnt_vocabulary
+        emitted = []
+        for symbol in symbols:
+            if symbol < 0:
+                break
+            emitted.append(symbol)
+        scheduled, self.scheduled = self.scheduled, None
+        self.projected = None
+        if not emitted:
+            return None
+        self.last_token = emitted[-1]
+        self.hidden = scheduled
+        kept = [s for s in emitted if not rnnt_tokenizer.is_special_token(s, vocabulary)]
+        if not kept:
+            return None
+        self.tokens.extend(kept)
+        self.decoded += rnnt_tokenizer.decode(kept, vocabulary)
+        updated = self.decoded.strip()
+        delta = updated[len(self.text) :] if updated.startswith(self.text) else updated
+        self.text = updated
+        return delta, updated
 
 
 def _joint_argmax(joint, projected: mx.array, prediction: mx.array) -> mx.array:
-    """``TranscriptState._joint_argmax`` per row: ``projected`` ``(B, 1, d)``, prediction
-    ``(B or 1, 1, d)`` -> ``(B,)`` int32 symbols."""
+    """Upstream ``JointNetwork.__call__`` from the projected encoder frames, then the argmax
+    per row: ``projected`` ``(B, 1, d)``, prediction ``(B or 1, 1, d)`` -> ``(B,)`` int32."""
     x = mx.expand_dims(projected, 2) + mx.expand_dims(joint.pred(prediction), 1)
     for layer in joint.joint_net:
         x = layer(x)
@@ -62,10 +130,10 @@ def _rows(hidden: tuple, row: int) -> tuple:
 
 
 def schedule_rows(states: list, encoded: mx.array) -> mx.array:
-    """``states[i].schedule(encoded[i:i+1])`` for every row, in one batched step.
+    """Lazily run the first decode step of every row's encoder frame.
 
     Args:
-        states: per session its :class:`~..streaming.stages.TranscriptState` (enabled).
+        states: per session its :class:`TranscriptState` (enabled).
         encoded: ``(B, 1, d)`` this frame's encoder output, row ``i`` session ``i``'s.
 
     Returns:
@@ -106,14 +174,16 @@ def schedule_rows(states: list, encoded: mx.array) -> mx.array:
         first = symbols[0] if len(states) == 1 else mx.concatenate(symbols)
         first = mx.where(first != blank, first, -1)
     for row, state in enumerate(states):
-        state._encoded, state._dtype = encoded[row : row + 1], dtype
-        state._projected = (state._encoded, projected[row : row + 1])
-        state._scheduled = hidden_of[row]
+        state.dtype = dtype
+        state.projected = projected[row : row + 1]
+        state.scheduled = hidden_of[row]
     return first
 
 
 def schedule_rest_rows(states: list, firsts: list[int]) -> list[mx.array | None]:
-    """``states[i].schedule_rest(firsts[i])`` for every row, the emitting rows batched.
+    """After a non-blank first symbol, lazily run the remaining ``max_symbols - 1`` steps,
+    the emitting rows batched (masked after the first blank, evaluated with the frame's
+    other outputs: no extra host round trip).
 
     Args:
         states: the sessions of :func:`schedule_rows`, after it.
@@ -131,11 +201,11 @@ def schedule_rest_rows(states: list, firsts: list[int]) -> list[mx.array | None]
         return results
     stt = model.stt_model
     blank = model.config.rnnt_blank_id
-    dtype = states[active[0]]._dtype
+    dtype = states[active[0]].dtype
     with execution_of(model).side():
-        projected = mx.concatenate([states[i]._projected[1] for i in active], axis=0)
+        projected = mx.concatenate([states[i].projected for i in active], axis=0)
         hidden = tuple(
-            mx.concatenate([states[i]._scheduled[part] for i in active], axis=1) for part in range(2)
+            mx.concatenate([states[i].scheduled[part] for i in active], axis=1) for part in range(2)
         )
         last = mx.array([[firsts[i]] for i in active], dtype=mx.int32)
         emitting = mx.ones((len(active),), dtype=mx.bool_)
@@ -152,5 +222,5 @@ def schedule_rest_rows(states: list, firsts: list[int]) -> list[mx.array | None]
         stacked = mx.stack(symbols, axis=1)  # (rows, steps - 1)
     for row, i in enumerate(active):
         results[i] = stacked[row]
-        states[i]._scheduled = _rows(hidden, row)
+        states[i].scheduled = _rows(hidden, row)
     return results

@@ -1,0 +1,101 @@
+"""Post-import hooks on mlx-vlm's command lines (applied by :mod:`.shim`).
+
+* ``mlx_vlm.generate.dispatch.main`` (``python -m mlx_vlm.generate``) hands a VoiceChat
+  checkpoint to :func:`mlx_voicechat_plugin.cli.generate.main`; other models are untouched.
+* ``mlx_vlm.chat.main`` (``python -m mlx_vlm chat``) refuses a VoiceChat checkpoint with a
+  pointer to the offline command.
+* ``mlx_vlm.server.cli.main`` (``python -m mlx_vlm.server``) serves a VoiceChat checkpoint
+  with :mod:`mlx_voicechat_plugin.server` (only ``/v1/realtime``); other models are untouched.
+
+Each hook is idempotent, wraps only the public ``main`` and imports the command it
+dispatches to when it dispatches.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from .hooks import once, refuse_chat
+
+#: ``generate`` options that only this package's CLI defines (mlx-vlm's own parser rejects
+#: them): a command using one whose ``--model`` does not resolve (not downloaded, mistyped)
+#: is meant for VoiceChat, so our CLI answers with its one-line checkpoint error rather than
+#: mlx-vlm's usage text ending in "unrecognized arguments: --output-audio". A ``--model``
+#: that resolves to another model family always goes to mlx-vlm.
+GENERATE_ONLY_OPTIONS = frozenset({
+    "--output-audio", "--stream", "--profile", "--max-streaming-seconds", "--progress",
+    "--extra-decoding-seconds", "--no-language-cache",
+})
+
+
+def _cli_target_is_voicechat(argv: list[str]) -> bool:
+    from ..checkpoint import is_voicechat_checkpoint, model_argument
+
+    model = model_argument(argv)
+    return model is not None and is_voicechat_checkpoint(model)
+
+
+def _unresolved_with_our_options(argv: list[str]) -> bool:
+    """``argv`` uses one of :data:`GENERATE_ONLY_OPTIONS` and its ``--model`` names no
+    checkpoint that can be found (locally or in the Hugging Face cache)."""
+    from ..checkpoint import find_config, model_argument
+
+    if not any(arg.split("=", 1)[0] in GENERATE_ONLY_OPTIONS for arg in argv):
+        return False
+    model = model_argument(argv)
+    return model is None or find_config(model) is None
+
+
+@once
+def hook_generate(module) -> None:
+    """Route ``python -m mlx_vlm.generate --model <voicechat>`` (or a command using one of
+    :data:`GENERATE_ONLY_OPTIONS` whose ``--model`` does not resolve) to our CLI."""
+    original = module.main
+
+    @functools.wraps(original)
+    def main():
+        if _cli_target_is_voicechat(sys.argv[1:]) or _unresolved_with_our_options(sys.argv[1:]):
+            from ..cli.generate import main as voicechat_main
+
+            raise SystemExit(voicechat_main(sys.argv[1:], prog="python -m mlx_vlm.generate"))
+        return original()
+
+    module.main = main
+
+
+@once
+def hook_chat(module) -> None:
+    """Refuse ``python -m mlx_vlm chat --model <voicechat>`` with a pointer to the offline command."""
+    original = module.main
+
+    @functools.wraps(original)
+    def main():
+        if _cli_target_is_voicechat(sys.argv[1:]):
+            refuse_chat()
+        return original()
+
+    module.main = main
+
+
+@once
+def hook_server_cli(module) -> None:
+    """Route ``python -m mlx_vlm.server --model <voicechat>`` to our realtime server."""
+    original = module.main
+
+    @functools.wraps(original)
+    def main():
+        if _cli_target_is_voicechat(sys.argv[1:]):
+            from ..server.cli import main as serve_main
+
+            raise SystemExit(serve_main(sys.argv[1:], prog="python -m mlx_vlm.server"))
+        return original()
+
+    module.main = main
+
+
+COMMAND_HOOKS = {
+    "mlx_vlm.generate.dispatch": hook_generate,
+    "mlx_vlm.chat": hook_chat,
+    "mlx_vlm.server.cli": hook_server_cli,
+}

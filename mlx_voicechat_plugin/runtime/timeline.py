@@ -1,0 +1,96 @@
+"""What the offline turn and the streaming session share: the timeline's fixed pieces.
+
+Public helpers of one loaded model (spec "Offline timeline" steps 1-3 and "Online session"),
+used by :class:`~.offline.OfflineSession` and by the streaming stages alike:
+
+* :func:`special_ids`: the ids skipped in text (pad, silence, BOS, EOS);
+* :func:`prompt_ids`: a system prompt as ``[BOS] + tokens + [EOS]``, validated;
+* :func:`tts_prompt`: upstream's silent EAR-TTS prompt, memoised per model;
+* :func:`replace_control_codes`: codec control codes replaced by the silence codes.
+
+They follow upstream ``mlx_vlm.models.nemotron_voicechat.session.VoiceChatSession``'s
+``_special_ids``, ``_tts_prompt`` and ``_replace_control_codes``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+from mlx_vlm.models.nemotron_voicechat.session import VoiceChatSession
+
+#: Longest system prompt (tokens): each token is one LLM and one EAR-TTS step of prefill.
+MAX_PROMPT_TOKENS = 512
+
+
+def special_ids(config) -> set[int]:
+    """The ids the text channels skip: ``config``'s pad, silence, BOS and EOS ids."""
+    return {config.pad_token_id, config.silence_token_id, config.bos_token_id, config.eos_token_id}
+
+
+def prompt_ids(config, tokenizer, system_prompt: str | None) -> list[int]:
+    """``[BOS] + tokens + [EOS]`` for a non-blank prompt, else ``[]`` (spec step 3).
+
+    Args:
+        config: the model's config (``default_system_prompt`` when ``system_prompt`` is None).
+        tokenizer: its text tokenizer.
+        system_prompt: the prompt text, or None for the checkpoint default.
+
+    Raises:
+        TypeError: not a string.
+        ValueError: not valid Unicode, or longer than :data:`MAX_PROMPT_TOKENS` tokens.
+    """
+    text = config.default_system_prompt if system_prompt is None else system_prompt
+    if not isinstance(text, str):
+        raise TypeError(f"system_prompt must be a string, got {type(text).__name__}")
+    if not text.strip():
+        return []
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("system_prompt is not valid Unicode text (lone surrogate)") from None
+    if len(text) > 8 * MAX_PROMPT_TOKENS:
+        raise ValueError(f"system_prompt is {len(text)} characters; at most {MAX_PROMPT_TOKENS} tokens are allowed")
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    if len(tokens) > MAX_PROMPT_TOKENS:
+        raise ValueError(
+            f"system_prompt is {len(tokens)} tokens; at most {MAX_PROMPT_TOKENS} are allowed "
+            "(each token costs one model step before the audio starts)"
+        )
+    return [config.bos_token_id, *tokens, config.eos_token_id]
+
+
+def tts_prompt(model, batch_size: int = 1) -> tuple:
+    """Upstream's silent EAR-TTS prompt ``(code, subword_ids, subword_mask, audio_mask,
+    audio_prompt_latent)`` for ``batch_size`` rows, evaluated and memoised on the model.
+
+    It encodes zeros with the audio codec (about 2 s for the medium demo checkpoint), a
+    pure function of the codec weights and the prompt latents: the memo is keyed by those
+    parameter objects and dropped by ``Model.clear_caches()`` (in-place edits).
+    """
+    from mlx.utils import tree_flatten
+
+    tts = model.tts_model
+    fingerprint = tuple(
+        id(value)
+        for module in (tts.audio_codec, tts.audio_prompt_latents)
+        for _, value in tree_flatten(module.parameters())
+    )
+    memo = model.__dict__.setdefault("_silent_prompts", {})
+    cached = memo.get(batch_size)
+    if cached is None or cached[0] != fingerprint:
+        prompt = VoiceChatSession._tts_prompt(SimpleNamespace(model=model), batch_size)
+        mx.eval(prompt)
+        cached = memo[batch_size] = (fingerprint, prompt)
+    return cached[1]
+
+
+def replace_control_codes(model, codes: mx.array) -> mx.array:
+    """``codes`` (int32, any shape ending in 31) with every codec control code replaced by
+    the codec's silence code of its codebook (upstream ``_replace_control_codes``)."""
+    control = model.tts_model.control_codes
+    mask = mx.zeros(codes.shape, dtype=mx.bool_)
+    for token in control.tolist():
+        mask = mask | (codes == int(token))
+    silence = mx.broadcast_to(model.tts_model.codec_silence_tokens[None, None, :], codes.shape)
+    return mx.where(mask, silence, codes)
