@@ -1,10 +1,5 @@
-"""Every ``MLX_VOICECHAT_*`` setting checked at once, before a model loads.
-
-:func:`check` runs each variable's own reader: the on/off switches of
-:mod:`.environment`, ``MLX_VOICECHAT_COMPILE`` (:mod:`.runtime.compiled`) and
-``MLX_VOICECHAT_BATCH_LANES`` (:mod:`.runtime.stages.lanes`). It lives apart from
-:mod:`.environment`, which those readers import, so that module imports nothing of ours.
-"""
+"""Every ``MLX_VOICECHAT_*`` setting checked at once, before a model loads (apart from
+:mod:`.environment`, which the readers it runs import, so that module stays a leaf)."""
 
 from __future__ import annotations
 

@@ -88,11 +88,9 @@ class Model(UpstreamModel):
         weights are in place.
 
         Args:
-            install_acceleration: ``(model) -> name | None``, the acceleration layer's
-                installer for the model's device; the loader passes
-                ``mlx_voicechat_plugin.accel.install`` (the registration hook's
-                ``load_model``, used by ``mlx_vlm.load`` and ``loading.load``), None
-                installs nothing (a model built by hand computes the same, slower on a CPU).
+            install_acceleration: ``(model) -> name | None`` for the model's device; the
+                loader hook passes ``mlx_voicechat_plugin.accel.install``; None installs
+                nothing (the same numbers, slower on a CPU).
         """
         if pinning_enabled():
             self.pinning = pin_f32_weights(self)

@@ -1,15 +1,6 @@
-"""Post-import hooks on mlx-vlm's command lines (applied by :mod:`.shim`).
-
-* ``mlx_vlm.generate.dispatch.main`` (``python -m mlx_vlm.generate``) hands a VoiceChat
-  checkpoint to :func:`mlx_voicechat_plugin.cli.generate.main`; other models are untouched.
-* ``mlx_vlm.chat.main`` (``python -m mlx_vlm chat``) refuses a VoiceChat checkpoint with a
-  pointer to the offline command.
-* ``mlx_vlm.server.cli.main`` (``python -m mlx_vlm.server``) serves a VoiceChat checkpoint
-  with :mod:`mlx_voicechat_plugin.server` (only ``/v1/realtime``); other models are untouched.
-
-Each hook is idempotent, wraps only the public ``main`` and imports the command it
-dispatches to when it dispatches.
-"""
+"""Post-import hooks on mlx-vlm's command lines (applied by :mod:`.shim`): ``generate``
+and ``server`` hand a VoiceChat checkpoint to this package's commands, ``chat`` refuses it;
+other models are untouched. Each hook imports the command it dispatches to when it does."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""What the offline turn and the streaming session share: the timeline's fixed pieces.
-
-Public helpers of one loaded model (spec "Offline timeline" steps 1-3 and "Online session"),
-used by :class:`~.offline.OfflineSession` and by the streaming stages alike:
-
-* :func:`special_ids`: the ids skipped in text (pad, silence, BOS, EOS);
-* :func:`prompt_ids`: a system prompt as ``[BOS] + tokens + [EOS]``, validated;
-* :func:`tts_prompt`: upstream's silent EAR-TTS prompt, memoised per model;
-* :func:`replace_control_codes`: codec control codes replaced by the silence codes.
-
-They follow upstream ``mlx_vlm.models.nemotron_voicechat.session.VoiceChatSession``'s
-``_special_ids``, ``_tts_prompt`` and ``_replace_control_codes``.
+"""What the offline turn and the streaming session share: the timeline's fixed pieces of
+one loaded model (spec "Offline timeline" steps 1-3, "Online session"): the special ids,
+the system prompt's ids, the silent EAR-TTS prompt and control-code replacement, after
+upstream ``VoiceChatSession``'s ``_special_ids``, ``_tts_prompt`` and
+``_replace_control_codes``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The streaming codec of a session: its overlap state, and one decode over many sessions.
-
-:class:`CodecState` holds one session's overlap cache; :func:`codec_decode` decodes one
-frame of every session, their caches stacked as rows.
+"""The streaming codec of a session: its overlap state (:class:`CodecState`), and one
+decode over many sessions, their caches stacked as rows (:func:`codec_decode`).
 
 Upstream ``mlx_audio.codec.models.nemotron_voicechat.NemotronVoiceChatCodec.decode_step``
 keeps every causal convolution's and the iSTFT's overlap in a ``CausalConv1dCache``
@@ -11,13 +9,10 @@ is stacked along the batch axis, ``decode_step`` runs once on ``(B, 31, 1)`` cod
 every session's own cache receives its row of the updated entries (views, no copy). A
 session whose cache differs (its first frame) is decoded alone, exactly as its solo step.
 
-The stacked cache persists while its group is stable (:class:`CodecRows`): the next tick
-with the same sessions, in the same order, whose own caches still hold exactly the rows
-handed to them, decodes on it directly, so a steady-state tick stacks nothing. Any other
-tick (a session joined, left, was cancelled, or decoded alone in between) restacks from
-the sessions' own caches, which are always current; a session that leaves simply keeps
-its own rows. Every row's arithmetic is independent of the others, so each session's
-audio and cache are bit-identical to its solo ``decode_step``.
+The stacked cache persists while its group is stable (:class:`CodecRows`), so a
+steady-state tick stacks nothing; any other tick restacks from the sessions' own caches,
+which are always current. Every row's arithmetic is independent of the others, so each
+session's audio and cache are bit-identical to its solo ``decode_step``.
 """
 
 from __future__ import annotations

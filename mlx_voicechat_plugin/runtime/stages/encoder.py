@@ -7,14 +7,9 @@ products repeat the previous frame's. A linear layer transforms each row indepen
 and our float32 products give each row the same bits whatever the other rows are (see
 :mod:`mlx_voicechat_plugin.accel.cpu.parallel`), so :class:`ProjectedStreamingState` keeps the
 projected keys and values of the retained rows and projects only the new row(s).
-Everything else is upstream's computation in upstream's order
-(:mod:`.encoder_rows`: the chunking follows the parent's ``push`` and ``_encode_mel_chunk``,
-the block upstream ``_stream_block``); :func:`attend` follows
-``RelPositionMultiHeadAttention.stream``. The streaming tests compare every event
-with upstream's streaming session.
-
-The retained raw attention inputs (``attn_cache``) are kept too, so the state has the
-parent's attributes and shapes.
+Everything else is upstream's computation in upstream's order (:mod:`.encoder_rows`);
+:func:`attend` follows ``RelPositionMultiHeadAttention.stream``. The raw attention inputs
+(``attn_cache``) are kept too, so the state has the parent's attributes and shapes.
 """
 
 from __future__ import annotations

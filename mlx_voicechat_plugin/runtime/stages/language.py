@@ -7,18 +7,9 @@ inputs so far, recomputed every position as the reference's default does.
 
 Follows upstream ``mlx_vlm.models.nemotron_h.language.NemotronHModel.__call__`` and
 ``NemotronHBlock.__call__`` for a single position (``L = 1``), with ``B`` sessions stacked
-as rows of ``(B, 1, hidden)``:
-
-* ``-`` / ``E`` blocks (MLP, MoE), the block norms, ``norm_f``, ``lm_head`` and
-  ``function_head`` run once over all rows (each row's products are computed as in a
-  one-row call; see :mod:`mlx_voicechat_plugin.runtime.batch` on row exactness);
-* ``M`` blocks (Mamba2) run once over all rows with the sessions' convolution and SSM
-  states stacked into one ``ArraysCache`` and split back afterwards;
-* ``*`` blocks (attention): the query/key/value and output projections run once over all
-  rows; each session's own ``KVCache`` takes its row, and each row attends over its own
-  session's keys (one call per session on the CPU, one padded and masked call over all
-  rows elsewhere, as the model's execution policy says:
-  :func:`~.rows.attend_sessions`).
+as rows of ``(B, 1, hidden)``: MLP / MoE blocks, norms and heads run once over all rows;
+Mamba2 blocks over the sessions' states stacked (:func:`_mamba`); attention blocks project
+all rows and attend each over its own session's cache (:func:`_attention`).
 
 Every session must have used its caches already (a prefilled prompt or one frame): a
 fresh cache (``None`` state), one whose mask is not ``None``, a diagnostic session or a

@@ -1,13 +1,9 @@
-"""The log-mel front end of a streaming session, its sample tail in host memory.
-
-Two states, one per perception mode (``StreamingOptions.use_perception_cache``):
-
-* :class:`MelFrontend` (the default): incremental centered log-mel frames, computed with
-  upstream ``log_mel_spectrogram_frames`` over the window upstream
-  ``StreamingLogMelSpectrogram`` retains, so the frames are identical; keeping the tail in
-  NumPy removes that class's per-frame device evaluation;
-* :class:`SampleWindow` (diagnostic, the reference rule): the last few frames of samples,
-  from which the whole perception is recomputed every frame.
+"""The log-mel front end of a streaming session, its sample tail in host memory:
+:class:`MelFrontend` (default: incremental centered log-mel, upstream
+``log_mel_spectrogram_frames`` over the window ``StreamingLogMelSpectrogram`` retains, so
+the same frames without that class's per-frame device evaluation) or, with
+``use_perception_cache=False``, :class:`SampleWindow` (the reference rule: the last frames of
+samples, the whole perception recomputed every frame).
 """
 
 from __future__ import annotations

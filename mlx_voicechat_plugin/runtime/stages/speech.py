@@ -10,19 +10,10 @@ Follows upstream ``mlx_vlm.models.nemotron_voicechat.tts`` (``RVQEARTTSModel.ste
 ``TransformerBlock.__call__`` for one position, with ``B`` sessions. The guidance batch is
 laid out as upstream lays out one session's, generalised to ``B``:
 ``[cond_0 .. cond_{B-1}, uncond_0 .. uncond_{B-1}]`` (``2B`` rows), so the MoG head's
-``cond + scale * (cond - uncond)`` pairs each session with itself.
-
-* code embedding, gated fusion, the backbone's norms and MLPs, the MoG head and the RVQ
-  search run once over all rows;
-* each backbone attention projects and normalises all rows at once (query, key, value
-  projections and norms, rotary embedding at each row's position, output projection);
-  each session's cache (rotating for sliding layers) is updated with its own two rows, as
-  mlx-vlm's Gemma3 ``Attention.__call__`` does, and each session's pair attends over its
-  own keys (one call per session or one padded call, as the model's execution policy
-  says: :func:`.rows.attend_sessions`); one session runs upstream's own backbone call;
-* the text condition is each session's own (memoised, one row pair each), as alone;
-* the sampling noise (``uniform`` for the Gumbel choice, ``normal`` for the residual) is
-  drawn per session from its own RNG key, in the order its solo step draws it, and stacked.
+``cond + scale * (cond - uncond)`` pairs each session with itself. Everything but the
+attention runs once over all rows; each session's pair attends over its own cache
+(:func:`_attention`); the text condition is each session's own (memoised); one session
+runs upstream's own backbone call.
 """
 
 from __future__ import annotations

@@ -8,13 +8,11 @@ emitted, the remaining ``max_symbols - 1`` steps masked after the first blank
 applies the read-back symbols. The decisions are upstream ``streaming._RNNTState``'s (per
 encoder frame, emit symbols until blank or ``max_symbols``), without a host round trip
 per symbol, inside the model's side-work context
-(:meth:`~mlx_voicechat_plugin.execution.Execution.side`; the CPU layer gives it its
-own CPU stream, so it runs beside the language model, EAR-TTS and the codec):
+(:meth:`~mlx_voicechat_plugin.execution.Execution.side`: on the CPU its own stream):
 
 * the prediction network (embedding and LSTM, state ``(layers, B, H)``, :func:`_predict`),
-  the joint and its argmax over the vocabulary run on ``B`` rows; each row is the
-  computation of its one-row call (row-wise products, see :mod:`mlx_voicechat_plugin.runtime.step`),
-  so the symbols and the states are bit-identical to upstream's per-session decode;
+  the joint and its argmax run on ``B`` rows, each row the computation of its one-row call
+  (:mod:`mlx_voicechat_plugin.runtime.batch` on row exactness): upstream's symbols and states;
 * a session that never emitted (last token blank, no LSTM state) starts from upstream
   ``PredictNetwork``'s zero input and no state, the same for every such session: that
   prediction is computed once and broadcast to their rows;

@@ -39,9 +39,8 @@ class SessionState:
         profile: the per-frame :class:`~.profile.StreamingProfile` (filled when
             ``options.profile``).
 
-    Creating it warms EAR-TTS with the silent Aria prompt (upstream
-    ``RVQEARTTSModel.warmup``); the system prompt is prefilled by
-    :func:`.step.prefill`.
+    Creating it warms EAR-TTS with the silent Aria prompt; :func:`.step.prefill` runs
+    the system prompt.
     """
 
     def __init__(self, model, tokenizer, options: StreamingOptions):

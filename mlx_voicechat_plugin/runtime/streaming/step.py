@@ -2,21 +2,12 @@
 
 :func:`step_frames` takes a list of :class:`~.state.SessionState` (one for a solo
 ``StreamingSession.push_audio``, many for a batched engine tick) and one frame of PCM each,
-and runs the stages (:mod:`..stages`) once over the sessions' stacked rows:
-
-1. per session: its log-mel front end (or, diagnostic, its sample window); all sessions
-   with encoder caches: the cache-aware FastConformer layers (:func:`.encode_frames`),
-   the projection; the diagnostic ones: upstream's whole perception over the window;
-   all sessions: the first RNNT decode step (side stream) and the fused LLM inputs;
-2. one Nemotron-H step (:func:`~..stages.language.language_step`) and the argmax ids;
-   **one** host round trip reads every session's ids and first RNNT symbols;
-3. the remaining RNNT steps of the rows that emitted; per session past its first timeline
-   position its noise from its own RNG key (one batched draw) and one EAR-TTS step over
-   the guidance rows (:func:`~..stages.speech.speech_step`); a session at its first
-   position emits the codec silence codes;
-4. one codec decode of the steady-state caches, then **one** evaluation of every output,
-   cache and key;
-5. per session: its events (transcript, text, function deltas, then :class:`~.events.Audio`).
+and runs the stages (:mod:`..stages`) once over the sessions' stacked rows: perception
+(per-session log-mel, the encoder over all rows), the first RNNT step, one Nemotron-H
+step, **one** host round trip (ids and first symbols), the remaining RNNT steps, per-session
+noise and one EAR-TTS step over the guidance rows (the silence codes at a session's first
+position), one codec decode, **one** evaluation of every output, cache and key, then each
+session's events (``docs/architecture.md`` draws it).
 
 A session's events are those of its solo run bit for bit on the CPU (see
 :mod:`..batch` on row exactness). On a CPU model the codec, and with
