@@ -1,0 +1,111 @@
+"""One streaming engine: profiling and diagnostic sessions share batched ticks with the
+others and still give their solo (and upstream's) events and profiles; a session's whole
+state is one object whose ``reset()`` starts the stream over."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_voicechat_plugin.runtime.streaming import StreamingOptions
+from mlx_voicechat_plugin.runtime.streaming import step as one_step
+
+from .test_batch_engine import run_batched, solo
+from .test_streaming import _audio as audio_of
+from .test_streaming import _comparable as comparable
+
+FRAME = 1280
+
+
+def _upstream_rows(upstream, processor, samples, **options):
+    session = upstream.create_session(processor).create_streaming_session(**options)
+    events = []
+    for start in range(0, len(samples), FRAME):
+        events += session.push_audio(mx.array(samples[start : start + FRAME]))
+    events += session.flush()
+    rows = []
+    for event in events:
+        if event.kind == "audio":
+            rows.append(("audio", event.frame_index, tuple(event.audio_codes.tolist())))
+        elif event.kind in ("done", "cancelled"):
+            rows.append((event.kind, event.frame_index))
+        else:
+            rows.append((event.kind, event.frame_index, event.token_id, event.delta, event.text))
+    audio = np.concatenate([np.array(e.samples.astype(mx.float32)) for e in events if e.kind == "audio"])
+    return rows, audio
+
+
+def test_profiling_and_diagnostic_sessions_share_the_batched_tick(models, speech_16k, monkeypatch):
+    ours, tokenizer, upstream, processor = models("tiny")
+    diagnostic = dict(use_language_cache=False, use_perception_cache=False)
+    inputs = [
+        (speech_16k[: 7 * FRAME], StreamingOptions(system_prompt="Be brief.", seed=0), 0),
+        (speech_16k[FRAME : 7 * FRAME], StreamingOptions(seed=7, profile=True), 0),
+        (speech_16k[2 * FRAME : 8 * FRAME], StreamingOptions(system_prompt="Hi.", seed=3, **diagnostic), 1),
+    ]
+    widths, profiles = [], []
+    original = one_step.speech_step
+
+    def spy(model, states, *args):
+        widths.append(len(states))
+        return original(model, states, *args)
+
+    monkeypatch.setattr(one_step, "speech_step", spy)
+    original_finish = one_step.FrameClock.finish
+
+    def finish(clock):
+        timing = original_finish(clock)
+        if clock.enabled:
+            profiles.append(timing)
+        return timing
+
+    monkeypatch.setattr(one_step.FrameClock, "finish", finish)
+    batched = run_batched(ours, tokenizer, inputs)
+    assert max(widths) == 3  # all three, the profiling and the diagnostic one included
+    assert profiles and all(timing.host_syncs == 2 for timing in profiles)
+    for (samples, options, _), events in zip(inputs, batched):
+        alone = solo(ours, tokenizer, samples, options)
+        assert comparable(events) == comparable(alone)
+        np.testing.assert_array_equal(audio_of(events), audio_of(alone))
+    samples, options, _ = inputs[2]
+    rows, audio = _upstream_rows(upstream, processor, samples, system_prompt=options.system_prompt, seed=3, **diagnostic)
+    assert comparable(batched[2]) == rows
+    assert np.abs(audio_of(batched[2]) - audio).max() <= 1e-6
+
+
+def test_a_batched_profiling_session_keeps_its_own_profile(models, speech_16k):
+    from mlx_voicechat_plugin.runtime.batch import BatchedEngine
+
+    ours, tokenizer, *_ = models("tiny")
+    engine = BatchedEngine(ours, tokenizer)
+    profiled = engine.open(StreamingOptions(seed=1, profile=True), incremental_prefill=False)
+    plain = engine.open(StreamingOptions(seed=2), incremental_prefill=False)
+    late = 2  # the profiled session runs frames 0..4; the other joins its ticks from frame 0
+    for index in range(5 + late):
+        if index < 5:
+            engine.push_audio(profiled, speech_16k[index * FRAME : (index + 1) * FRAME])
+        engine.push_audio(plain, speech_16k[index * FRAME : (index + 1) * FRAME])
+        engine.tick()
+    profile = engine.session(profiled).profile
+    assert [timing.frame_index for timing in profile.frames] == [0, 1, 2, 3, 4]
+    assert engine.session(plain).profile.frames == []
+    summary = profile.summary()
+    assert summary["host_syncs"] == {"mean": 2.0, "max": 2} and summary["frames"] == 5
+    assert all(timing.total_ms > 0 and timing.language_ms > 0 for timing in profile.frames)
+
+
+def test_state_reset_starts_the_stream_over(models, speech_16k):
+    ours, tokenizer, *_ = models("tiny")
+    options = StreamingOptions(system_prompt="Be brief.", seed=5)
+    session = ours.create_streaming_session(options, processor=tokenizer)
+    samples = speech_16k[: 6 * FRAME]
+    first = session.push_audio(samples)
+    state = session.state
+    assert state.frame_index == 6 and state.timeline_index > 6 and state.rng.key != 5
+    state.reset()
+    assert (state.frame_index, state.timeline_index, state.rng.key, state.text.text) == (0, 0, 5, "")
+    assert state.encoder.key_cache == [None] * len(state.encoder.key_cache) and state.codec.cache.cache == {}
+    one_step.prefill(state, session.prompt_ids)
+    again = session.push_audio(samples)
+    assert comparable(again) == comparable(first)
+    np.testing.assert_array_equal(audio_of(again), audio_of(first))
