@@ -109,3 +109,67 @@ def test_state_reset_starts_the_stream_over(models, speech_16k):
     again = session.push_audio(samples)
     assert comparable(again) == comparable(first)
     np.testing.assert_array_equal(audio_of(again), audio_of(first))
+
+
+class _Interrupt(BaseException):
+    """Stands for a KeyboardInterrupt raised inside a step."""
+
+
+def test_an_interrupt_inside_a_tick_fails_and_removes_its_sessions(models, speech_16k, monkeypatch):
+    from mlx_voicechat_plugin.runtime.batch import BatchedEngine
+
+    ours, tokenizer, *_ = models("tiny")
+    engine = BatchedEngine(ours, tokenizer)
+    ids = [engine.open(StreamingOptions(seed=i), incremental_prefill=False) for i in range(2)]
+    for session_id in ids:
+        engine.push_audio(session_id, speech_16k[: 3 * FRAME])
+    engine.tick()
+    original = one_step.language_step
+
+    def interrupted(*args):
+        raise _Interrupt()
+
+    monkeypatch.setattr(one_step, "language_step", interrupted)
+    states = [engine.session(session_id).state for session_id in ids]
+    try:
+        engine.tick()
+    except _Interrupt:
+        pass
+    else:
+        raise AssertionError("the interrupt must reach the caller")
+    assert engine.session_ids == [] and all(state.closed and state.failure for state in states)
+    monkeypatch.setattr(one_step, "language_step", original)
+    fresh = engine.open(StreamingOptions(seed=0), incremental_prefill=False)  # still usable
+    engine.push_audio(fresh, speech_16k[:FRAME])
+    assert [e.kind for e in engine.tick()[fresh].events][-1] == "audio"
+
+
+def test_an_automatic_session_id_never_collides_with_a_chosen_one(models):
+    from mlx_voicechat_plugin.runtime.batch import BatchedEngine
+
+    ours, tokenizer, *_ = models("tiny")
+    engine = BatchedEngine(ours, tokenizer)
+    engine.open(session_id="session-0")
+    assert engine.open() != "session-0" and len(engine) == 2
+
+
+def test_close_checks_the_thread(models):
+    import threading
+
+    from mlx_voicechat_plugin.runtime.streaming import WrongThreadError
+
+    ours, tokenizer, *_ = models("tiny")
+    session = ours.create_streaming_session(processor=tokenizer)
+    caught = []
+    thread = threading.Thread(target=lambda: caught.append(_raises(session.close)))
+    thread.start()
+    thread.join()
+    assert caught == [WrongThreadError] and not session.closed
+
+
+def _raises(call):
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001
+        return type(error)
+    return None

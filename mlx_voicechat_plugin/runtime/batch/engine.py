@@ -141,6 +141,8 @@ class BatchedEngine:
             raise SessionLimitError(f"all {self.max_sessions} session slots are in use")
         if session_id is None:
             session_id = f"session-{next(self._ids)}"
+            while session_id in self._slots:  # a caller chose this name for another session
+                session_id = f"session-{next(self._ids)}"
         if session_id in self._slots:
             raise ValueError(f"session {session_id!r} is already open")
         session = self.model.create_streaming_session(
@@ -226,14 +228,29 @@ class BatchedEngine:
 
         Returns:
             ``{session_id: TickResult}`` for every session the tick touched.
+
+        Raises:
+            An interrupt (``BaseException``) raised inside the tick, after removing the
+            sessions it failed (their states were partly advanced).
         """
         self._check_thread()
+        try:
+            return self._tick()
+        except BaseException:
+            for session_id, slot in list(self._slots.items()):
+                if slot.session.closed:
+                    del self._slots[session_id]
+            raise
+
+    def _tick(self) -> dict[str, TickResult]:
         results: dict[str, TickResult] = {}
         stepping: list[tuple[str, _Slot, np.ndarray]] = []
         start = time.perf_counter()
         for session_id, slot in list(self._slots.items()):
-            if slot.prefill:
+            if slot.prefill:  # before any frame leaves a buffer: an interrupt here loses none
                 self._prefill_one(session_id, slot, results)
+        for session_id, slot in list(self._slots.items()):
+            if slot.prefill or session_id in results:
                 continue
             frame = self._take_frame(session_id, slot, results)
             if frame is not None:

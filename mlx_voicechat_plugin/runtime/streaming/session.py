@@ -183,7 +183,12 @@ class StreamingSession:
         return [Cancelled(frame_index=self.state.frame_index)]
 
     def close(self) -> None:
-        """Close without an event (pending audio dropped, codec overlap freed); idempotent."""
+        """Close without an event (pending audio dropped, codec overlap freed); idempotent.
+
+        Raises:
+            WrongThreadError: called from another thread.
+        """
+        self._check_thread()
         self._pending = np.zeros(0, dtype=np.float32)
         if not self.state.closed:
             self.state.close()

@@ -1,7 +1,6 @@
 """``SessionState``: everything one streaming session keeps between frames.
 
-One object per stage (the table in :mod:`..stages`), each with ``reset()`` and
-``state_arrays()``, plus the timeline: frame and timeline counters, the ids fed back at the
+One object per stage (the table in :mod:`..stages`), each with ``reset()``, plus the timeline: frame and timeline counters, the ids fed back at the
 next position, the RNG key and the text accumulators. :func:`.step.step_frames` advances
 any list of them by one frame. With ``use_perception_cache=False`` (diagnostic) ``window``
 replaces ``mel`` and ``encoder``.
@@ -82,7 +81,9 @@ class SessionState:
     def reset(self) -> None:
         """Back to a fresh stream with the same options: every stage reset, the RNG key
         back to the seed, the texts and the profile emptied (the system prompt is not
-        prefilled again: call :func:`.step.prefill`)."""
+        prefilled again: call :func:`.step.prefill`). Audio a caller buffered towards the
+        next frame (``StreamingSession.pending_samples``, an engine's queue) is the
+        caller's, not part of this state."""
         for stage in (self.mel, self.encoder, self.window, self.transcript, self.language, self.speech, self.codec):
             if stage is not None:
                 stage.reset()
@@ -114,7 +115,7 @@ class SessionState:
         """The :class:`~.errors.ContextLimitError` message for this session."""
         return (
             f"the stream reached max_streaming_seconds={self.options.max_streaming_seconds:g} "
-            f"({self.max_frames} frames of 80 ms)"
+            f"({self.max_frames} frame{'' if self.max_frames == 1 else 's'} of 80 ms)"
         )
 
     def fail(self, error: BaseException) -> None:
@@ -122,6 +123,7 @@ class SessionState:
         longer consistent)."""
         self.closed = True
         self.failure = f"{type(error).__name__}: {error}"
+        self.codec.clear()
 
     def close(self) -> None:
         """Close the session: free the codec overlap; with profiling and

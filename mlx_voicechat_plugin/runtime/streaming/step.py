@@ -52,29 +52,31 @@ def step_frames(states: list, frames: list[np.ndarray]) -> list:
         session is failed and left out of the rest of the step).
 
     Raises:
-        Whatever a shared stage raises (or an interrupt): every session of the step is
-        failed first (their states may be partly advanced).
+        Whatever a shared stage raises, or an interrupt (``BaseException``) anywhere in
+        the step: every session of the step is failed first (their states may be partly
+        advanced).
     """
     results: list = [None] * len(states)
     members, inputs, rows = [], [], []
-    for index, (state, frame) in enumerate(zip(states, frames)):
-        try:  # the session's own front end: a failure here is its alone
-            inputs.append(state.mel.push(frame) if state.mel is not None else state.window.push(frame))
-        except Exception as error:  # noqa: BLE001 - reported for this session only
-            state.fail(error)
-            results[index] = error
-            continue
-        members.append(state)
-        rows.append(index)
-    if not members:
-        return results
-    profiling = any(state.profiling for state in members)
-    clock = FrameClock(members[0].frame_index, profiling, profiling and sub_stages_requested())
     try:
+        for index, (state, frame) in enumerate(zip(states, frames)):
+            try:  # the session's own front end: a failure here is its alone
+                inputs.append(state.mel.push(frame) if state.mel is not None else state.window.push(frame))
+            except Exception as error:  # noqa: BLE001 - reported for this session only
+                state.fail(error)
+                results[index] = error
+                continue
+            members.append(state)
+            rows.append(index)
+        if not members:
+            return results
+        profiling = any(state.profiling for state in members)
+        clock = FrameClock(members[0].frame_index, profiling, profiling and sub_stages_requested())
         outputs = _step(members, inputs, clock)
-    except BaseException as error:
-        for state in members:
-            state.fail(error)
+    except BaseException as error:  # a shared stage, or an interrupt: states partly advanced
+        for state in states:
+            if not state.closed:
+                state.fail(error)
         raise
     timing = clock.finish()
     for state, index, events in zip(members, rows, outputs):
