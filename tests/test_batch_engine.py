@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -28,6 +27,7 @@ from mlx_voicechat_plugin.runtime.streaming import step as batch_frame
 from .conftest import SYSTEM_PROMPT
 from .test_streaming import _audio as audio_of  # events -> concatenated 22.05 kHz samples
 from .test_streaming import _comparable as comparable  # events as tuples, codes included
+from .test_streaming import _upstream_run as upstream_run  # upstream's rows and audio
 
 FRAME = 1280
 
@@ -99,23 +99,8 @@ def test_batched_session_equals_upstream_streaming_session(models, inputs):
     ours, tokenizer, upstream, processor = models("tiny")
     batched = run_batched(ours, tokenizer, inputs)
     samples, options, _ = inputs[0]
-    reference_session = upstream.create_session(processor).create_streaming_session(
-        system_prompt=options.system_prompt, seed=options.seed
-    )
-    reference = []
-    for start in range(0, len(samples), FRAME):
-        reference += reference_session.push_audio(mx.array(samples[start : start + FRAME]))
-    reference += reference_session.flush()
-    rows = []
-    for event in reference:
-        if event.kind == "audio":
-            rows.append(("audio", event.frame_index, tuple(event.audio_codes.tolist())))
-        elif event.kind in ("done", "cancelled"):
-            rows.append((event.kind, event.frame_index))
-        else:
-            rows.append((event.kind, event.frame_index, event.token_id, event.delta, event.text))
+    rows, reference_audio = upstream_run(upstream, processor, samples, system_prompt=options.system_prompt, seed=options.seed)
     assert comparable(batched[0]) == rows
-    reference_audio = np.concatenate([np.array(e.samples.astype(mx.float32)) for e in reference if e.kind == "audio"])
     assert np.abs(audio_of(batched[0]) - reference_audio).max() <= 1e-6
 
 

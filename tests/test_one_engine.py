@@ -4,7 +4,6 @@ state is one object whose ``reset()`` starts the stream over."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 
 from mlx_voicechat_plugin.runtime.streaming import StreamingOptions
@@ -13,26 +12,9 @@ from mlx_voicechat_plugin.runtime.streaming import step as one_step
 from .test_batch_engine import run_batched, solo
 from .test_streaming import _audio as audio_of
 from .test_streaming import _comparable as comparable
+from .test_streaming import _upstream_run as upstream_run
 
 FRAME = 1280
-
-
-def _upstream_rows(upstream, processor, samples, **options):
-    session = upstream.create_session(processor).create_streaming_session(**options)
-    events = []
-    for start in range(0, len(samples), FRAME):
-        events += session.push_audio(mx.array(samples[start : start + FRAME]))
-    events += session.flush()
-    rows = []
-    for event in events:
-        if event.kind == "audio":
-            rows.append(("audio", event.frame_index, tuple(event.audio_codes.tolist())))
-        elif event.kind in ("done", "cancelled"):
-            rows.append((event.kind, event.frame_index))
-        else:
-            rows.append((event.kind, event.frame_index, event.token_id, event.delta, event.text))
-    audio = np.concatenate([np.array(e.samples.astype(mx.float32)) for e in events if e.kind == "audio"])
-    return rows, audio
 
 
 def test_profiling_and_diagnostic_sessions_share_the_batched_tick(models, speech_16k, monkeypatch):
@@ -68,7 +50,7 @@ def test_profiling_and_diagnostic_sessions_share_the_batched_tick(models, speech
         assert comparable(events) == comparable(alone)
         np.testing.assert_array_equal(audio_of(events), audio_of(alone))
     samples, options, _ = inputs[2]
-    rows, audio = _upstream_rows(upstream, processor, samples, system_prompt=options.system_prompt, seed=3, **diagnostic)
+    rows, audio = upstream_run(upstream, processor, samples, system_prompt=options.system_prompt, seed=3, **diagnostic)
     assert comparable(batched[2]) == rows
     assert np.abs(audio_of(batched[2]) - audio).max() <= 1e-6
 

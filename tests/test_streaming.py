@@ -41,6 +41,26 @@ def _audio(events):
     return np.concatenate([np.asarray(e.samples) for e in events if e.kind == "audio"])
 
 
+def _upstream_run(upstream, processor, samples, **options):
+    """Upstream's streaming session over ``samples`` in 80 ms pushes, then flush: its events
+    as :func:`_comparable` rows (codes included) and its concatenated audio."""
+    session = upstream.create_session(processor).create_streaming_session(**options)
+    events = []
+    for start in range(0, len(samples), FRAME):
+        events += session.push_audio(mx.array(samples[start : start + FRAME]))
+    events += session.flush()
+    rows = []
+    for event in events:
+        if event.kind == "audio":
+            rows.append(("audio", event.frame_index, tuple(event.audio_codes.tolist())))
+        elif event.kind in ("done", "cancelled"):
+            rows.append((event.kind, event.frame_index))
+        else:
+            rows.append((event.kind, event.frame_index, event.token_id, event.delta, event.text))
+    audio = np.concatenate([np.array(e.samples.astype(mx.float32)) for e in events if e.kind == "audio"])
+    return rows, audio
+
+
 def _run(model, tokenizer, samples, chunk=None, **options):
     session = model.create_streaming_session(processor=tokenizer, **options)
     events = []
@@ -61,29 +81,8 @@ def test_events_match_upstream_streaming_session(models, question, preset):
     if preset == "real-layout":  # 56 + 24 + 28 layers: the first 0.64 s keep it quick
         question = question[: 8 * FRAME]
     events = _run(ours, tokenizer, question, chunk=FRAME, system_prompt=SYSTEM_PROMPT, seed=0)
-    reference_session = upstream.create_session(processor).create_streaming_session(
-        system_prompt=SYSTEM_PROMPT, seed=0
-    )
-    reference = []
-    for start in range(0, len(question), FRAME):
-        reference += reference_session.push_audio(mx.array(question[start : start + FRAME]))
-    reference += reference_session.flush()
-
-    def upstream_rows(items):
-        rows = []
-        for event in items:
-            if event.kind == "audio":
-                rows.append(("audio", event.frame_index, tuple(event.audio_codes.tolist())))
-            elif event.kind in ("done", "cancelled"):
-                rows.append((event.kind, event.frame_index))
-            else:
-                rows.append((event.kind, event.frame_index, event.token_id, event.delta, event.text))
-        return rows
-
-    assert _comparable(events) == upstream_rows(reference)
-    reference_audio = np.concatenate(
-        [np.array(e.samples.astype(mx.float32)) for e in reference if e.kind == "audio"]
-    )
+    rows, reference_audio = _upstream_run(upstream, processor, question, system_prompt=SYSTEM_PROMPT, seed=0)
+    assert _comparable(events) == rows
     assert np.abs(_audio(events) - reference_audio).max() <= 1e-6
     kinds = {event.kind for event in events}
     assert {"audio", "assistant_text_delta", "done"} <= kinds
