@@ -161,3 +161,45 @@ def test_serve_options_reach_the_engine(tiny, monkeypatch):
     assert captured["engine"].budget.admits(4) and captured["engine"].max_lag == 2.0
     for bad in (["--tick-budget", "0"], ["--max-lag", "-1"], ["--max-sessions", "many"], ["--tick-budget", "x"], ["--tick-gather", "-0.1"]):
         assert cli.main(argv + bad, hard_exit=False) == 2
+
+
+@pytest.fixture(scope="module")
+def two(tiny):
+    engine = _engine(tiny, max_sessions=2, tick_budget=math.inf)
+    yield engine
+    engine.stop()
+
+
+def test_load_test_callers_join_at_their_time_and_retry_when_refused(tiny, two):
+    speech = read_audio(sample_speech(), 16_000)
+    with ServerHandle(server_settings(tiny), two) as server:
+        # three callers for two slots, joining 0.2 s apart: the third is turned away ...
+        refused = asyncio.run(run_load(server.ws_url, 3, 1.2, 0.2, [speech], "default", timeout=120))
+        # ... or, retrying every 0.3 s for up to its 1.2 s, taken once a slot frees
+        retried = asyncio.run(run_load(server.ws_url, 3, 1.2, 0.2, [speech], "default", timeout=120, retry=0.3))
+    assert refused["errors"] == [] and (refused["admitted"], refused["refused"]) == (2, 1)
+    last = refused["per_caller"][2]
+    assert last["refused"] and last["frames"] == 0 and last["equal_to_solo"] is None
+    assert "server_busy" not in last["error"] and "try again later" in last["error"]
+    assert refused["all_equal_to_solo"] is True
+    assert retried["errors"] == [] and (retried["admitted"], retried["refused"]) == (3, 0)
+    assert retried["per_caller"][2]["attempts"] > 1 and retried["per_caller"][2]["frames"] == 15
+    assert retried["all_equal_to_solo"] is True
+
+
+def test_retries_stop_after_the_callers_patience():
+    from mlx_voicechat_plugin.clients.load_test import CallerResult, Refused, with_retries
+
+    calls = []
+
+    async def attempt():
+        calls.append(time.monotonic())
+        raise Refused("busy")
+
+    result = CallerResult(0)
+    assert asyncio.run(with_retries(attempt, result, None, 0.05, 0.2)) is None
+    assert result.refused and result.error == "refused: busy"
+    assert result.attempts == len(calls) and 3 <= len(calls) <= 5
+    assert calls[-1] - calls[0] <= 0.2 + 0.05
+    once = CallerResult(1)
+    assert asyncio.run(with_retries(attempt, once, None, 0.0, 10.0)) is None and once.attempts == 1

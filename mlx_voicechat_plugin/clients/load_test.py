@@ -2,12 +2,16 @@
 
     mlx-voicechat loadtest ws://127.0.0.1:8080/v1/realtime --callers 4 --seconds 8
 
-Each caller connects (joining ``--stagger`` seconds after the previous one), configures its
-session (seed = its index) and sends its own input -- a WAV (``--wav``, repeated cyclically
-over the callers; default the bundled spoken question), shifted by ``0.24 s x index`` of
-leading silence so no two inputs are equal, padded with silence to ``--seconds`` -- as 80 ms
-appends paced on the wall clock, then commits. For every frame it records the **latency**
-from sending the append to receiving that frame's ``response.audio.delta``.
+Each caller connects when it joins (``--stagger`` seconds after the previous one),
+configures its session (seed = its index) and sends its own input -- a WAV (``--wav``,
+repeated cyclically over the callers; default the bundled spoken question), shifted by
+``0.24 s x index`` of leading silence so no two inputs are equal, padded with silence to
+``--seconds`` -- as 80 ms appends paced on the wall clock from the moment its session is
+configured, then commits. For every frame it records the **latency** from sending the
+append to receiving that frame's ``response.audio.delta``. A caller the server turns away
+(``server_busy``, close code 1013: every slot held, or the real-time budget spent) is
+reported as refused; with ``--retry S`` it tries again every ``S`` seconds for up to
+``--seconds`` after it joined, as a client that honours "try again later" does.
 
 The report gives per caller and overall the latency p50 / p95 / p99 / max, the frames
 **late** (latency over two frames, 160 ms: more than one frame of lag), the tick's real-time
@@ -58,10 +62,40 @@ class CallerResult:
     close_code: int | None = None
     error: str | None = None
     equal_to_solo: bool | None = None
+    attempts: int = 0  # connections made (more than one: refused, then retried)
+    refused: bool = False  # turned away (server_busy) on its last attempt
 
     def summary(self) -> dict:
         return {"caller": self.index, **latency_summary(self.latencies), "close_code": self.close_code,
-                "error": self.error, "equal_to_solo": self.equal_to_solo}
+                "error": self.error, "equal_to_solo": self.equal_to_solo, "attempts": self.attempts,
+                "refused": self.refused}
+
+
+class Refused(Exception):
+    """The server turned the caller away before configuring its session (``server_busy``)."""
+
+
+async def _until(moment: float | None) -> None:
+    if moment is not None:
+        await asyncio.sleep(max(0.0, moment - time.monotonic()))
+
+
+async def with_retries(attempt, result: CallerResult, join_at: float | None, retry: float, patience: float):
+    """Run ``attempt()`` (one connection) from ``join_at``; while it raises :class:`Refused`
+    and ``retry > 0``, try again every ``retry`` seconds for up to ``patience`` seconds
+    after joining. Records attempts and the final refusal on ``result``."""
+    await _until(join_at)
+    joined = time.monotonic()
+    while True:
+        result.attempts += 1
+        result.error, result.refused = None, False
+        try:
+            return await attempt()
+        except Refused as refusal:
+            result.refused, result.error = True, f"refused: {refusal}"
+            if retry <= 0 or time.monotonic() + retry - joined > patience:
+                return None
+            await asyncio.sleep(retry)
 
 
 def latency_summary(latencies: list[float]) -> dict:
@@ -94,24 +128,40 @@ def _audio_frame(event: dict) -> tuple:
     return tuple(event.get("audio_codes") or ())
 
 
-async def run_caller(url: str, index: int, samples: np.ndarray, start_at: float | None, timeout: float) -> CallerResult:
-    """One default-dialect caller: appends paced from ``start_at`` (a ``time.monotonic``
-    reading; None sends them all at once, unpaced), then a commit; returns its result."""
+async def run_caller(url: str, index: int, samples: np.ndarray, join_at: float | None, timeout: float,
+                     retry: float = 0.0, patience: float = 0.0) -> CallerResult:
+    """One default-dialect caller: connects at ``join_at`` (a ``time.monotonic`` reading;
+    None: at once, appends unpaced), appends paced from its ``session.updated``, then a
+    commit; with ``retry`` a refused caller tries again (:func:`with_retries`)."""
     import websockets
 
     result = CallerResult(index)
-    sent: list[float] = []
-    text_ids: dict[int, int] = {}
-    try:
+
+    async def attempt():
+        sent: list[float] = []
+        text_ids: dict[int, int] = {}
+        result.latencies.clear()
+        result.frame_indices.clear()
+        result.answer.clear()
         async with websockets.connect(url, max_size=None, ping_interval=None, proxy=None) as ws:
             await ws.send(json.dumps({"type": "session.update", "session": {"seed": index}}))
-            while (json.loads(await asyncio.wait_for(ws.recv(), timeout)))["type"] != "session.updated":
-                pass
+            while True:
+                try:
+                    event = json.loads(await asyncio.wait_for(ws.recv(), timeout))
+                except websockets.ConnectionClosed as closed:
+                    if closed.rcvd is not None and closed.rcvd.code == 1013:
+                        raise Refused(closed.rcvd.reason or "server_busy") from None
+                    raise
+                if event["type"] == "session.updated":
+                    break
+                if event["type"] == "error" and event["error"]["code"] == "server_busy":
+                    raise Refused(event["error"]["message"])
+            paced_from = None if join_at is None else time.monotonic()
 
             async def send():
                 for k in range(samples.size // FRAME_SAMPLES):
-                    if start_at is not None:
-                        await asyncio.sleep(max(0.0, start_at + k * FRAME_SECONDS - time.monotonic()))
+                    if paced_from is not None:
+                        await _until(paced_from + k * FRAME_SECONDS)
                     sent.append(time.monotonic())
                     chunk = samples[k * FRAME_SAMPLES : (k + 1) * FRAME_SAMPLES]
                     await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": encode_pcm16(chunk)}))
@@ -135,25 +185,40 @@ async def run_caller(url: str, index: int, samples: np.ndarray, start_at: float 
             finally:
                 sender.cancel()
             result.close_code = ws.close_code
+        return result
+
+    try:
+        await with_retries(attempt, result, join_at, retry, patience)
     except Exception as error:  # noqa: BLE001 - reported per caller
         result.error = result.error or f"{type(error).__name__}: {error}"
     return result
 
 
-async def run_openai_caller(url: str, index: int, samples: np.ndarray, start_at: float, timeout: float) -> CallerResult:
-    """One OpenAI-dialect caller (24 kHz PCM appends paced from ``start_at``, server VAD);
-    it closes the socket one second after its last append."""
+async def run_openai_caller(url: str, index: int, samples: np.ndarray, join_at: float, timeout: float,
+                            retry: float = 0.0, patience: float = 0.0) -> CallerResult:
+    """One OpenAI-dialect caller (connects at ``join_at``; 24 kHz PCM appends paced from its
+    ``session.created``, server VAD); it closes the socket one second after its last
+    append; with ``retry`` a refused caller tries again (:func:`with_retries`)."""
     import soxr
     import websockets
 
     result = CallerResult(index)
     pcm24 = soxr.resample(samples, INPUT_SAMPLE_RATE, 24_000).astype(np.float32)
     step = round(FRAME_SECONDS * 24_000)
-    try:
+
+    async def attempt():
         async with websockets.connect(url, max_size=None, ping_interval=None, proxy=None) as ws:
-            await asyncio.wait_for(ws.recv(), timeout)  # session.created
+            try:
+                first = json.loads(await asyncio.wait_for(ws.recv(), timeout))  # session.created
+            except websockets.ConnectionClosed as closed:
+                if closed.rcvd is not None and closed.rcvd.code == 1013:
+                    raise Refused(closed.rcvd.reason or "server_busy") from None
+                raise
+            if first.get("type") == "error" and (first.get("error") or {}).get("code") == "server_busy":
+                raise Refused(first["error"].get("message", "server_busy"))
+            paced_from = time.monotonic()
             for k in range(pcm24.size // step):
-                await asyncio.sleep(max(0.0, start_at + k * FRAME_SECONDS - time.monotonic()))
+                await _until(paced_from + k * FRAME_SECONDS)
                 chunk = np.clip(pcm24[k * step : (k + 1) * step], -1, 1)
                 audio = base64.b64encode((chunk * 32767).astype("<i2").tobytes()).decode()
                 await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": audio}))
@@ -171,6 +236,10 @@ async def run_openai_caller(url: str, index: int, samples: np.ndarray, start_at:
                 except asyncio.TimeoutError:
                     break
             result.close_code = 1000
+        return result
+
+    try:
+        await with_retries(attempt, result, join_at, retry, patience)
     except Exception as error:  # noqa: BLE001 - reported per caller
         result.error = result.error or f"{type(error).__name__}: {error}"
     return result
@@ -212,8 +281,9 @@ def _lag_quantiles(before: dict, after: dict) -> dict:
 
 
 async def run_load(url: str, callers: int, seconds: float, stagger: float, base: list[np.ndarray], dialect: str,
-                   timeout: float, compare: bool = True) -> dict:
-    """Run the load test (module docstring); returns the report as a dict."""
+                   timeout: float, compare: bool = True, retry: float = 0.0) -> dict:
+    """Run the load test (module docstring); returns the report as a dict (``admitted``:
+    callers the server took, at the first attempt or a retry; ``refused``: the others)."""
     inputs = [caller_input(base[i % len(base)], i, seconds) for i in range(callers)]
     target = url + (("&" if "?" in url else "?") + "dialect=openai" if dialect == "openai" else "")
     solo: list[CallerResult] = []
@@ -223,11 +293,12 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
     before = scrape(url)
     began = time.monotonic() + 0.2
     runner = run_openai_caller if dialect == "openai" else run_caller
-    tasks = [runner(target, i, inputs[i], began + i * stagger, timeout) for i in range(callers)]
+    tasks = [runner(target, i, inputs[i], began + i * stagger, timeout, retry, seconds) for i in range(callers)]
     results = await asyncio.wait_for(asyncio.gather(*tasks), timeout)
     after = scrape(url)
     for result, alone in zip(results, solo):
-        result.equal_to_solo = result.error is None and bool(result.answer) and result.answer == alone.answer
+        if not result.refused:  # a caller the server turned away has no answer to compare
+            result.equal_to_solo = result.error is None and bool(result.answer) and result.answer == alone.answer
     ticks = after.get("voicechat_tick_seconds_count", 0) - before.get("voicechat_tick_seconds_count", 0)
     tick_sum = after.get("voicechat_tick_seconds_sum", 0) - before.get("voicechat_tick_seconds_sum", 0)
     frames = after.get("voicechat_frames_processed_total", 0) - before.get("voicechat_frames_processed_total", 0)
@@ -245,8 +316,10 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
         "ticks": int(ticks),
         "frames_per_tick": round(frames / ticks, 2) if ticks else None,
         "tick_realtime_factor": round(tick_sum / ticks / FRAME_SECONDS, 3) if ticks else None,
-        "all_equal_to_solo": None if not solo else all(result.equal_to_solo for result in results),
-        "errors": [result.error for result in results if result.error],
+        "all_equal_to_solo": None if not solo else all(r.equal_to_solo for r in results if not r.refused),
+        "admitted": sum(1 for result in results if not result.refused),
+        "refused": sum(1 for result in results if result.refused),
+        "errors": [result.error for result in results if result.error and not result.refused],
     }
 
 
@@ -262,11 +335,14 @@ def _print(report: dict) -> None:
         line = row(f"#{caller['caller']}", caller)
         if caller.get("equal_to_solo") is not None:
             line += "  equal to solo: " + ("yes" if caller["equal_to_solo"] else "NO")
+        if caller.get("attempts", 1) > 1:
+            line += f"  attempts {caller['attempts']}"
         if caller.get("error"):
-            line += f"  error: {caller['error']}"
+            line += f"  {'' if caller.get('refused') else 'error: '}{caller['error']}"
         print(line)
     if report["overall"].get("frames"):
         print(row("all", report["overall"]))
+    print(f"admitted {report['admitted']} of {report['callers']} callers" + (f", {report['refused']} refused (server_busy)" if report["refused"] else ""))
     print(f"server lag: {report['server_lag']}")
     print(f"ticks {report['ticks']}, frames per tick {report['frames_per_tick']}, "
           f"tick real-time factor {report['tick_realtime_factor']}")
@@ -283,13 +359,16 @@ def build_parser(prog: str = "mlx-voicechat loadtest") -> argparse.ArgumentParse
     parser.add_argument("--wav", action="append", default=None, help="input audio (repeatable; default the bundled question)")
     parser.add_argument("--dialect", choices=("default", "openai"), default="default")
     parser.add_argument("--no-compare", action="store_true", help="skip the solo runs and the equality check")
+    parser.add_argument("--retry", type=float, default=0.0, metavar="S",
+                        help="a refused caller (server_busy) tries again every S seconds, for up to --seconds after it joined (default 0: no retry)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (default 300)")
     parser.add_argument("--json", default=None, help="also write the report as JSON to this file")
     return parser
 
 
 def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat loadtest") -> int:
-    """Exit 0 when every caller finished without error, 1 otherwise, 2 on bad usage."""
+    """Exit 0 when every admitted caller finished without error (refused callers are
+    reported, not errors), 1 otherwise, 2 on bad usage."""
     try:
         args = build_parser(prog).parse_args(argv)
     except SystemExit as exit_:
@@ -298,8 +377,9 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat loadtest")
     if urlsplit(args.url).scheme not in ("ws", "wss") or host not in LOOPBACK:
         print(f"error: the load test runs against a server on this machine only (ws://127.0.0.1:PORT/...), got {args.url!r}", file=sys.stderr)
         return 2
-    if not 1 <= args.callers <= 64 or not 0 < args.seconds <= 600 or args.stagger < 0 or args.timeout <= 0:
-        print("error: --callers 1..64, --seconds in (0, 600], --stagger >= 0 and --timeout > 0", file=sys.stderr)
+    if (not 1 <= args.callers <= 64 or not 0 < args.seconds <= 600 or args.stagger < 0 or args.timeout <= 0
+            or not 0 <= args.retry <= 60):
+        print("error: --callers 1..64, --seconds in (0, 600], --stagger >= 0, --retry in [0, 60] and --timeout > 0", file=sys.stderr)
         return 2
     from ..demo.sample import sample_speech
     from ..runtime.audio_io import AudioInputError, read_audio
@@ -311,7 +391,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat loadtest")
         return 2
     try:
         report = asyncio.run(run_load(args.url, args.callers, args.seconds, args.stagger, base, args.dialect,
-                                      args.timeout, compare=not args.no_compare))
+                                      args.timeout, compare=not args.no_compare, retry=args.retry))
     except (OSError, asyncio.TimeoutError) as error:
         print(f"error: the load test failed: {error or 'timed out'}", file=sys.stderr)
         return 1
