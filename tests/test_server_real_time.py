@@ -177,6 +177,8 @@ def test_load_test_callers_join_at_their_time_and_retry_when_refused(tiny, two):
         refused = asyncio.run(run_load(server.ws_url, 3, 1.2, 0.2, [speech], "default", timeout=120))
         # ... or, retrying every 0.3 s for up to its 1.2 s, taken once a slot frees
         retried = asyncio.run(run_load(server.ws_url, 3, 1.2, 0.2, [speech], "default", timeout=120, retry=0.3))
+        # callers joining after the earlier ones finished find a slot: they connect when they join
+        apart = asyncio.run(run_load(server.ws_url, 3, 0.8, 2.5, [speech], "default", timeout=120, compare=False))
     assert refused["errors"] == [] and (refused["admitted"], refused["refused"]) == (2, 1)
     last = refused["per_caller"][2]
     assert last["refused"] and last["frames"] == 0 and last["equal_to_solo"] is None
@@ -185,6 +187,8 @@ def test_load_test_callers_join_at_their_time_and_retry_when_refused(tiny, two):
     assert retried["errors"] == [] and (retried["admitted"], retried["refused"]) == (3, 0)
     assert retried["per_caller"][2]["attempts"] > 1 and retried["per_caller"][2]["frames"] == 15
     assert retried["all_equal_to_solo"] is True
+    assert apart["errors"] == [] and (apart["admitted"], apart["refused"]) == (3, 0)
+    assert all(caller["attempts"] == 1 and caller["frames"] == 10 for caller in apart["per_caller"])
 
 
 def test_retries_stop_after_the_callers_patience():

@@ -80,6 +80,22 @@ async def _until(moment: float | None) -> None:
         await asyncio.sleep(max(0.0, moment - time.monotonic()))
 
 
+async def _receive(ws, timeout: float) -> dict:
+    """The next event before the caller's session is configured; raises :class:`Refused`
+    when it is the server's ``server_busy`` error or the socket closed with 1013."""
+    import websockets
+
+    try:
+        event = json.loads(await asyncio.wait_for(ws.recv(), timeout))
+    except websockets.ConnectionClosed as closed:
+        if closed.rcvd is not None and closed.rcvd.code == 1013:
+            raise Refused(closed.rcvd.reason or "server_busy") from None
+        raise
+    if event.get("type") == "error" and (event.get("error") or {}).get("code") == "server_busy":
+        raise Refused(event["error"].get("message", "server_busy"))
+    return event
+
+
 async def with_retries(attempt, result: CallerResult, join_at: float | None, retry: float, patience: float):
     """Run ``attempt()`` (one connection) from ``join_at``; while it raises :class:`Refused`
     and ``retry > 0``, try again every ``retry`` seconds for up to ``patience`` seconds
@@ -145,17 +161,8 @@ async def run_caller(url: str, index: int, samples: np.ndarray, join_at: float |
         result.answer.clear()
         async with websockets.connect(url, max_size=None, ping_interval=None, proxy=None) as ws:
             await ws.send(json.dumps({"type": "session.update", "session": {"seed": index}}))
-            while True:
-                try:
-                    event = json.loads(await asyncio.wait_for(ws.recv(), timeout))
-                except websockets.ConnectionClosed as closed:
-                    if closed.rcvd is not None and closed.rcvd.code == 1013:
-                        raise Refused(closed.rcvd.reason or "server_busy") from None
-                    raise
-                if event["type"] == "session.updated":
-                    break
-                if event["type"] == "error" and event["error"]["code"] == "server_busy":
-                    raise Refused(event["error"]["message"])
+            while (await _receive(ws, timeout))["type"] != "session.updated":
+                pass
             paced_from = None if join_at is None else time.monotonic()
 
             async def send():
@@ -208,14 +215,7 @@ async def run_openai_caller(url: str, index: int, samples: np.ndarray, join_at: 
 
     async def attempt():
         async with websockets.connect(url, max_size=None, ping_interval=None, proxy=None) as ws:
-            try:
-                first = json.loads(await asyncio.wait_for(ws.recv(), timeout))  # session.created
-            except websockets.ConnectionClosed as closed:
-                if closed.rcvd is not None and closed.rcvd.code == 1013:
-                    raise Refused(closed.rcvd.reason or "server_busy") from None
-                raise
-            if first.get("type") == "error" and (first.get("error") or {}).get("code") == "server_busy":
-                raise Refused(first["error"].get("message", "server_busy"))
+            await _receive(ws, timeout)  # session.created
             paced_from = time.monotonic()
             for k in range(pcm24.size // step):
                 await _until(paced_from + k * FRAME_SECONDS)
