@@ -17,12 +17,22 @@
 #                                    about 22 GB on disk) and time the batched engine's tick
 #                                    at 1, 2, 4, ... sessions (scripts/batch_bench.py): the
 #                                    most full-size sessions one GPU holds in real time.
+#   --load-test                      (with a full run or --plan) also build the full-size
+#                                    checkpoint and run scripts/load_bench.py through the
+#                                    server on it: paced callers (1, 4, 8, 16 by default,
+#                                    GPU_CHECK_CALLERS overrides), append-to-audio latency
+#                                    p50 / p99, late frames, admitted callers.
+#   --no-install                     use $PYTHON (default python3) as it is, with MLX's CUDA
+#                                    backend and this package already installed (machines
+#                                    without a package index), instead of creating the venv.
 #
 # Results go to $GPU_CHECK_OUT (default artifacts/gpu-check): gpu-tests.log, bench.json,
-# bench.md, and with --sessions-per-gpu sessions-per-gpu.json / .log. Environment:
+# bench.md, with --sessions-per-gpu sessions-per-gpu.json / .log, with --load-test
+# load-test.json / .log and server.log. Environment:
 # MLX_VERSION (default: the version tested here, below), GPU_CHECK_VENV (default .venv-gpu),
 # PYTHON (default python3 to create the venv; --dry-run uses .venv/bin/python when present),
-# GPU_CHECK_SESSIONS (the session counts of --sessions-per-gpu, default "1 2 4 8 16 32 64").
+# GPU_CHECK_SESSIONS (the session counts of --sessions-per-gpu, default "1 2 4 8 16 32 64"),
+# GPU_CHECK_CALLERS (the caller counts of --load-test, default "1 4 8 16").
 # See docs/performance.md, "GPU check".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +44,8 @@ OUT="${GPU_CHECK_OUT:-artifacts/gpu-check}"
 MODE=full
 BENCH=1
 SESSIONS_PER_GPU=0
+LOAD_TEST=0
+INSTALL=1
 
 for arg in "$@"; do
   case "$arg" in
@@ -41,8 +53,10 @@ for arg in "$@"; do
     --plan) MODE=plan ;;
     --no-bench) BENCH=0 ;;
     --sessions-per-gpu) SESSIONS_PER_GPU=1 ;;
-    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "gpu-check.sh: unknown option $arg (use --dry-run, --plan, --no-bench, --sessions-per-gpu or --help)" >&2; exit 2 ;;
+    --load-test) LOAD_TEST=1 ;;
+    --no-install) INSTALL=0 ;;
+    -h|--help) sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu-check.sh: unknown option $arg (use --dry-run, --plan, --no-bench, --sessions-per-gpu, --load-test, --no-install or --help)" >&2; exit 2 ;;
   esac
 done
 
@@ -51,8 +65,8 @@ run() {
   if [ "$MODE" != plan ]; then "$@"; fi
 }
 
-if [ "$MODE" = dry ] && [ "$SESSIONS_PER_GPU" = 1 ]; then
-  echo "gpu-check.sh: --sessions-per-gpu needs a GPU (a full run) or --plan" >&2
+if [ "$MODE" = dry ] && { [ "$SESSIONS_PER_GPU" = 1 ] || [ "$LOAD_TEST" = 1 ]; }; then
+  echo "gpu-check.sh: --sessions-per-gpu or --load-test needs a GPU (a full run) or --plan" >&2
   exit 2
 fi
 
@@ -82,15 +96,19 @@ if [ "$MODE" = full ]; then
   nvidia-smi -L
 fi
 
-PY="$VENV/bin/python"
-run "${PYTHON:-python3}" -m venv "$VENV"
-run "$PY" -m pip install -q --upgrade pip
-run "$PY" -m pip install -q "mlx[cuda12]==$MLX_VERSION"
-run "$PY" -m pip install -q -e '.[dev,server]'
-# This package depends on mlx[cpu] on Linux; keep only the CUDA backend's files.
-if [ "$MODE" = plan ] || "$PY" -m pip show -q mlx-cpu >/dev/null 2>&1; then
-  run "$PY" -m pip uninstall -q -y mlx-cpu
-  run "$PY" -m pip install -q --force-reinstall --no-deps "mlx-cuda-12==$MLX_VERSION"
+if [ "$INSTALL" = 1 ]; then
+  PY="$VENV/bin/python"
+  run "${PYTHON:-python3}" -m venv "$VENV"
+  run "$PY" -m pip install -q --upgrade pip
+  run "$PY" -m pip install -q "mlx[cuda12]==$MLX_VERSION"
+  run "$PY" -m pip install -q -e '.[dev,server]'
+  # This package depends on mlx[cpu] on Linux; keep only the CUDA backend's files.
+  if [ "$MODE" = plan ] || "$PY" -m pip show -q mlx-cpu >/dev/null 2>&1; then
+    run "$PY" -m pip uninstall -q -y mlx-cpu
+    run "$PY" -m pip install -q --force-reinstall --no-deps "mlx-cuda-12==$MLX_VERSION"
+  fi
+else
+  PY="${PYTHON:-python3}"
 fi
 run "$PY" -c 'import mlx.core as mx; d = mx.default_device(); print("[gpu-check] MLX", mx.__version__, d); assert d.type == mx.DeviceType.gpu, "MLX default device is not a GPU"'
 run mkdir -p "$OUT"
@@ -123,6 +141,21 @@ if [ "$SESSIONS_PER_GPU" = 1 ]; then
       | tee "$OUT/sessions-per-gpu.log" || SESSIONS=$?
   fi
 fi
+LOAD=0
+if [ "$LOAD_TEST" = 1 ]; then
+  # Paced callers through the server on the full-size checkpoint (as callers feel it).
+  if [ "$MODE" = plan ] || [ ! -f "$OUT/full/config.json" ]; then
+    run "$PY" -m mlx_voicechat_plugin.demo build "$OUT/full" --preset full --overwrite
+  fi
+  # shellcheck disable=SC2086
+  echo "+ $PY scripts/load_bench.py --presets --model $OUT/full --callers ${GPU_CHECK_CALLERS:-1 4 8 16} --no-baseline --server-log $OUT/server.log --json $OUT/load-test.json | tee $OUT/load-test.log"
+  if [ "$MODE" = full ]; then
+    # shellcheck disable=SC2086
+    "$PY" scripts/load_bench.py --presets --model "$OUT/full" --callers ${GPU_CHECK_CALLERS:-1 4 8 16} \
+      --no-baseline --server-log "$OUT/server.log" --json "$OUT/load-test.json" 2>&1 \
+      | tee "$OUT/load-test.log" || LOAD=$?
+  fi
+fi
 echo "[gpu-check] done; results in $OUT (record them in docs/performance.md)"
 if [ "$TESTS" != 0 ]; then
   echo "gpu-check.sh: the gpu tests failed (see $OUT/gpu-tests.log)" >&2
@@ -131,4 +164,8 @@ fi
 if [ "$SESSIONS" != 0 ]; then
   echo "gpu-check.sh: the sessions-per-GPU benchmark failed (see $OUT/sessions-per-gpu.log)" >&2
   exit "$SESSIONS"
+fi
+if [ "$LOAD" != 0 ]; then
+  echo "gpu-check.sh: the load test failed (see $OUT/load-test.log and $OUT/server.log)" >&2
+  exit "$LOAD"
 fi

@@ -2,6 +2,11 @@
 
     python scripts/load_bench.py --presets tiny small --max-callers 8 --seconds 8
     python scripts/load_bench.py --presets medium --callers 1 4 --seconds 8
+    python scripts/load_bench.py --presets --model CKPT --callers 1 4 16 --no-baseline
+
+``--model CKPT`` (repeatable) measures an existing checkpoint directory (the full-size demo
+build, a real checkpoint) besides or instead of the presets; ``--server-log FILE`` appends the
+servers' output there (default: discarded).
 
 For each demo preset (built into a temporary directory) it starts ``mlx-voicechat serve``
 with ``--max-sessions`` = the largest caller count and, for each caller count N, runs the load
@@ -54,11 +59,13 @@ def _port() -> int:
 class Server:
     """``mlx-voicechat serve`` in a subprocess, stopped on exit."""
 
-    def __init__(self, model: Path, *options: str):
+    def __init__(self, model: Path, *options: str, log: str | None = None):
         self.port = _port()
         command = [sys.executable, "-m", "mlx_voicechat_plugin.cli.main", "serve", "--model", str(model),
                    "--port", str(self.port), "--log-level", "warning", *options]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._log = open(log, "ab") if log else None  # noqa: SIM115 - closed in __exit__
+        sink = self._log or subprocess.DEVNULL
+        self.process = subprocess.Popen(command, stdout=sink, stderr=sink)
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         deadline = time.monotonic() + 600
         while True:
@@ -84,6 +91,8 @@ class Server:
             self.process.wait(30)
         except subprocess.TimeoutExpired:
             self.process.kill()
+        if self._log:
+            self._log.close()
 
 
 def _load(url: str, callers: int, args, speech, server: Server | None = None, retry: float = 0.0) -> dict:
@@ -130,7 +139,9 @@ def _row(preset: str, label: str, callers: int, report: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--presets", nargs="*", default=["tiny", "small"], help="demo presets to build and measure (none: only --model)")
+    parser.add_argument("--model", action="append", default=[], help="an existing checkpoint directory to measure (repeatable)")
+    parser.add_argument("--server-log", default=None, help="append the servers' output to this file")
     parser.add_argument("--callers", nargs="+", type=int, default=None, help="caller counts (default 1..--max-callers)")
     parser.add_argument("--max-callers", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=8.0)
@@ -147,13 +158,17 @@ def main() -> int:
     speech = read_audio(sample_speech(), 16_000)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for preset in args.presets:
-            model = Path(tmp) / preset
-            subprocess.run([sys.executable, "-m", "mlx_voicechat_plugin.cli.main", "demo", "build", str(model),
-                            "--preset", preset], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        targets = [(preset, None) for preset in args.presets] + [(Path(path).name, Path(path)) for path in args.model]
+        if not targets:
+            parser.error("nothing to measure: give --presets or --model")
+        for preset, given in targets:
+            model = given or Path(tmp) / preset
+            if given is None:
+                subprocess.run([sys.executable, "-m", "mlx_voicechat_plugin.cli.main", "demo", "build", str(model),
+                                "--preset", preset], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             print(f"# {preset}: load average {os.getloadavg()}", flush=True)
             on_time = 0
-            with Server(model, "--max-sessions", str(max(counts)), *args.server_option) as server:
+            with Server(model, "--max-sessions", str(max(counts)), *args.server_option, log=args.server_log) as server:
                 for callers in counts:
                     row = _row(preset, "gather", callers, _load(server.url, callers, args, speech, server))
                     rows.append(row)
@@ -161,7 +176,8 @@ def main() -> int:
                         on_time = max(on_time, callers)
             largest = max(counts)
             if not args.no_baseline:
-                with Server(model, "--max-sessions", str(largest), "--tick-gather", "0", *args.server_option) as server:
+                with Server(model, "--max-sessions", str(largest), "--tick-gather", "0", *args.server_option,
+                            log=args.server_log) as server:
                     rows.append(_row(preset, "no gather", largest, _load(server.url, largest, args, speech)))
             solo = next((row for row in rows if row.get("preset") == preset and row["run"] == "gather" and row["callers"] == 1), None)
             many = next(row for row in rows if row.get("preset") == preset and row["run"] == "gather" and row["callers"] == largest)
@@ -170,7 +186,7 @@ def main() -> int:
                 summary["tick_ratio"] = round(many["mean_tick_ms"] / solo["mean_tick_ms"], 2)
                 summary["tick_ratio_sessions"] = many["frames_per_tick"]
             if args.auto and on_time:
-                with Server(model, "--max-sessions", "auto") as server:
+                with Server(model, "--max-sessions", "auto", *args.server_option, log=args.server_log) as server:
                     row = _row(preset, "auto", 2 * on_time, _load(server.url, 2 * on_time, args, speech, retry=args.retry))
                     rows.append(row)
                     summary["auto_offered"], summary["auto_admitted"], summary["auto_p99_ms"] = 2 * on_time, row["admitted"], row["p99_ms"]

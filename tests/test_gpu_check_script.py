@@ -86,3 +86,29 @@ def test_sessions_per_gpu_is_refused_in_a_dry_run():
     completed = _run("--dry-run", "--sessions-per-gpu")
     assert completed.returncode == 2
     assert completed.stderr.strip().count("\n") == 0 and "needs a GPU" in completed.stderr
+
+
+def test_load_test_plans_the_full_size_build_and_paced_callers_through_the_server():
+    completed = _run("--plan", "--load-test", env={"GPU_CHECK_CALLERS": "1 2"})
+    assert completed.returncode == 0, completed.stderr
+    plan = completed.stdout.splitlines()
+    build = next(index for index, line in enumerate(plan) if "--preset full" in line)
+    bench = next(index for index, line in enumerate(plan) if "scripts/load_bench.py" in line)
+    assert build < bench
+    assert "--model artifacts/gpu-check/full" in plan[bench] and "--callers 1 2" in plan[bench]
+    assert "--server-log" in plan[bench] and "load-test.json" in plan[bench]
+    assert not any("load_bench" in line for line in _run("--plan").stdout.splitlines())  # opt-in only
+
+
+def test_no_install_uses_the_given_python_and_creates_no_venv():
+    completed = _run("--plan", "--no-install", env={"PYTHON": "/opt/py/bin/python3"})
+    assert completed.returncode == 0, completed.stderr
+    plan = completed.stdout
+    assert "venv" not in plan and "pip install" not in plan
+    assert "/opt/py/bin/python3 -m pytest" in plan and "/opt/py/bin/python3 -m mlx_voicechat_plugin.bench" in plan
+
+
+def test_load_test_is_refused_in_a_dry_run():
+    completed = _run("--dry-run", "--load-test")
+    assert completed.returncode == 2
+    assert completed.stderr.strip().count("\n") == 0 and "needs a GPU" in completed.stderr
