@@ -174,6 +174,7 @@ def test_serve_refuses_a_busy_port_and_bad_prefix_before_loading(checkpoint):
     finally:
         holder.close()
     assert run.returncode == 1 and "Traceback" not in run.stderr and "cannot listen" in run.stderr
+    assert "loading " not in run.stderr  # refused before the checkpoint is loaded
     from mlx_voicechat_plugin.server.settings import ServerSettings
 
     with pytest.raises(ValueError, match="api_prefix"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 
 import numpy as np
@@ -73,9 +74,15 @@ def test_openai_dialect_callers_under_load(tiny, four):
 
 
 def test_the_tick_budget_refuses_below_max_sessions(tiny):
-    engine = _engine(tiny, max_sessions=3, tick_budget=0.001)  # 80 us: no second session fits
+    lines: list[str] = []
+    engine = _engine(tiny, max_sessions=3, tick_budget=0.001, progress=lines.append)  # 80 us: no second session fits
     try:
         assert engine.budget.warmed_sizes == [1, 2]  # the warm-up stops at the first size over budget
+        # The start reports its steps: the load, each warmed size with its median tick, the stop.
+        assert lines[0].startswith("loaded in ") and lines[1].startswith("warming up batch sizes 1-3")
+        assert re.fullmatch(r"  1 session: median tick \d+\.\d ms", lines[2]), lines
+        assert re.fullmatch(r"  2 sessions: median tick \d+\.\d ms, over the tick budget \(0\.1 ms\): no more sizes", lines[3]), lines
+        assert lines[4].startswith("warm-up done in ") and len(lines) == 5 and engine.phase == "serving"
         with ServerHandle(server_settings(tiny), engine) as server:
             assert http("GET", server.http_url("/ready"))[0] == 200
             with server.connect() as first:
@@ -207,3 +214,31 @@ def test_retries_stop_after_the_callers_patience():
     assert calls[-1] - calls[0] <= 0.2 + 0.05
     once = CallerResult(1)
     assert asyncio.run(with_retries(attempt, once, None, 0.0, 10.0)) is None and once.attempts == 1
+
+
+def test_serve_reports_the_load_and_the_warm_up_before_serving(tiny):
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    command = [sys.executable, "-m", "mlx_voicechat_plugin.cli.main", "serve", "--model", str(tiny),
+               "--port", str(port), "--max-sessions", "2", "--tick-budget", "off", "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if http("GET", f"http://127.0.0.1:{port}/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.25)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    lines = stderr.splitlines()
+    starts = [next((i for i, line in enumerate(lines) if line.startswith(prefix)), None) for prefix in
+              (f"loading {tiny}", "loaded in ", "warming up batch sizes 1-2", "  1 session: median tick",
+               "  2 sessions: median tick", "warm-up done in ", "serving ")]
+    assert None not in starts and starts == sorted(starts), stderr

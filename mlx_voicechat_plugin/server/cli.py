@@ -297,7 +297,14 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
             exit_process(status)
         return status
 
-    engine = RealtimeEngine(loader, max_sessions=args.max_sessions, tick_budget=args.tick_budget, max_lag=args.max_lag, gather_seconds=args.tick_gather)
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    engine = RealtimeEngine(
+        loader, max_sessions=args.max_sessions, tick_budget=args.tick_budget, max_lag=args.max_lag,
+        gather_seconds=args.tick_gather, progress=progress,
+    )
+    print(f"loading {model_path} ...", file=sys.stderr, flush=True)
     try:
         engine.start()
     except RuntimeError as error:
@@ -305,7 +312,7 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
         return finish(EXIT_FAILURE)
     except (KeyboardInterrupt, Terminated) as stop:
         status = 143 if isinstance(stop, Terminated) else 130
-        print(f"{'terminated' if status == 143 else 'interrupted'} while loading the checkpoint", file=sys.stderr)
+        print(f"{'terminated' if status == 143 else 'interrupted'} while {engine.phase}", file=sys.stderr)
         return finish(status, wait=False)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     app = create_app(settings, engine)

@@ -142,6 +142,8 @@ class RealtimeEngine:
             (default one frame, 0.08 s, with more than one slot; 0 with one).
         warm_up: run every admissible batch size before serving (default: with more than
             one slot).
+        progress: called with one line of text as the start proceeds (loaded in N s, the
+            warm-up's batch sizes and their median ticks); default: nothing is reported.
 
     Raises:
         ValueError: ``max_sessions`` is neither a positive integer nor ``"auto"``, or
@@ -157,6 +159,7 @@ class RealtimeEngine:
         max_lag: float | None = None,
         gather_seconds: float | None = None,
         warm_up: bool | None = None,
+        progress: Callable[[str], None] | None = None,
     ):
         self.auto = max_sessions == "auto"
         if self.auto:
@@ -174,6 +177,10 @@ class RealtimeEngine:
         self.budget = TickBudget(fraction=tick_budget)
         self._gather = TickGather(0.08 if gather_seconds is None and several else (gather_seconds or 0.0))
         self._warm_up = several if warm_up is None else bool(warm_up)
+        self._progress = progress or (lambda line: None)
+        #: What the engine thread is doing: ``"loading the checkpoint"``, ``"warming up"``
+        #: or ``"serving"`` (for messages about an interrupted start).
+        self.phase = "loading the checkpoint"
         self._lag: dict[str, LagClock] = {}
         self._prefilling: set[str] = set()
         self._last_lag: dict[str, float] = {}
@@ -317,6 +324,7 @@ class RealtimeEngine:
 
     # -------------------------------------------------------------- engine thread
     def _run(self) -> None:
+        started = time.monotonic()
         try:
             self.model, self.tokenizer = self._loader()
             from ..runtime.batch import BatchedEngine
@@ -326,11 +334,19 @@ class RealtimeEngine:
             self._load_error = error
             self._ready.set()
             return
+        self._progress(f"loaded in {time.monotonic() - started:.1f} s")
         if self._warm_up:
+            self.phase = "warming up"
+            started = time.monotonic()
+            sizes = "up to " if self.auto else "1-"
+            self._progress(f"warming up batch sizes {sizes}{self.max_sessions} (no live tick pays a first-time shape) ...")
             try:
                 self._run_warm_up()
+                self._progress(f"warm-up done in {time.monotonic() - started:.1f} s")
             except Exception:  # noqa: BLE001 - serving without it is still correct
                 logger.exception("the batch-size warm-up failed; serving without it")
+                self._progress("the batch-size warm-up failed; serving without it")
+        self.phase = "serving"
         self._ready.set()
         while True:
             commands = []
@@ -493,8 +509,12 @@ class RealtimeEngine:
             finally:
                 for session_id in ids:
                     batch.close(session_id)
+            median = self.budget.warm_median(rows)
+            line = f"  {rows} session{'s' if rows > 1 else ''}" + (f": median tick {median * 1000:.1f} ms" if median else "")
             if rows > 1 and not self.budget.admits(rows):
+                self._progress(f"{line}, over the tick budget ({self.budget.limit_seconds * 1000:.1f} ms): no more sizes")
                 break
+            self._progress(line)
         self._clear_cache()
 
     def _shutdown(self) -> None:
