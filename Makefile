@@ -28,7 +28,7 @@ lint: $(STAMP)
 # Build the sdist + wheel, install the wheel into a fresh venv and run the README's commands
 # from outside the checkout (scripts/wheel_smoke.sh; about 3 minutes, most of it pip).
 wheel-smoke: $(STAMP)
-	PYTHON=$(BIN)/python scripts/wheel_smoke.sh
+	PYTHON=$(abspath $(BIN))/python scripts/wheel_smoke.sh
 
 bench: $(STAMP)
 	$(BIN)/python -m mlx_voicechat_plugin.bench --presets small medium --bits bf16 4 --repeats 3 \

@@ -55,7 +55,7 @@ for arg in "$@"; do
     --sessions-per-gpu) SESSIONS_PER_GPU=1 ;;
     --load-test) LOAD_TEST=1 ;;
     --no-install) INSTALL=0 ;;
-    -h|--help) sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-check.sh: unknown option $arg (use --dry-run, --plan, --no-bench, --sessions-per-gpu, --load-test, --no-install or --help)" >&2; exit 2 ;;
   esac
 done

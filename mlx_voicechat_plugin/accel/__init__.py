@@ -14,7 +14,8 @@ Neither the model nor the runtime imports this package: the loader hook
 ``loading.load``) imports it lazily, treating a missing package as "no acceleration", and
 hands :func:`install` to ``Model.finish_loading``; so deleting ``accel/`` leaves a working,
 slower model. ``MLX_VOICECHAT_CPU_ACCEL=0``
-switches the whole layer off.
+switches the whole layer off. :mod:`.cuda` holds the one setting for MLX's CUDA backend (its
+graph cache, set before the weights load; nothing on Metal or the CPU).
 """
 
 from __future__ import annotations

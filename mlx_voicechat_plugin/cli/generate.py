@@ -221,7 +221,9 @@ def _run(args) -> int:
 
     if model_path is None:
         from ..demo import default_checkpoint
+        from ..registration.hooks import apply_cuda_defaults
 
+        apply_cuda_defaults()  # building the demo checkpoint is the first GPU evaluation
         model_path = default_checkpoint()
         print(f"[model] built-in demo checkpoint (random weights): {model_path}", file=sys.stderr)
     model, tokenizer = load(model_path)

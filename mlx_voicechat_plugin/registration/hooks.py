@@ -3,7 +3,8 @@
 Each hook is idempotent and only wraps public functions:
 
 * ``mlx_vlm.utils.get_model_and_args`` consults the ``mlx_vlm.models`` entry points first
-  (what ``patches/0001-*.patch`` adds upstream), so ``mlx_vlm.load`` returns our Model;
+  (what ``patches/0001-*.patch`` adds upstream), so ``mlx_vlm.load`` returns our Model, and
+  on MLX's CUDA backend sets its graph-cache defaults for serving (:mod:`..accel.cuda`);
   ``mlx_vlm.utils.load_model`` defers our Model's f32 pinning until the loader's source
   tensors are released and hands it the acceleration layer (``Model.finish_loading``).
 * ``python -m mlx_vlm.chat`` is refused at model resolution (the command hooks,
@@ -64,6 +65,7 @@ def hook_utils(module) -> None:
                 arch = resolve_model_module(model_type)
                 if arch is not None:
                     _refuse_chat_module()
+                    apply_cuda_defaults()  # before a weight is evaluated (MLX reads them then)
                     return arch, model_type
         return original(config, model_path)
 
@@ -95,6 +97,16 @@ def hook_utils(module) -> None:
         return model
 
     module.load_model = load_model
+
+
+def apply_cuda_defaults() -> None:
+    """MLX's CUDA graph-cache settings for serving (:mod:`..accel.cuda`): nothing off CUDA,
+    nothing without the optional layer. Call before the process's first GPU evaluation."""
+    try:
+        from ..accel.cuda import apply_defaults
+    except ImportError:
+        return
+    apply_defaults()
 
 
 def refuse_chat() -> None:

@@ -269,7 +269,9 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
         return EXIT_FAILURE
     if model_path is None:
         from ..demo import default_checkpoint
+        from ..registration.hooks import apply_cuda_defaults
 
+        apply_cuda_defaults()  # building the demo checkpoint is the first GPU evaluation
         model_path = default_checkpoint()
         print(f"[model] built-in demo checkpoint (random weights): {model_path}", file=sys.stderr)
     try:
