@@ -236,3 +236,34 @@ def test_the_item_count_is_bounded(server, monkeypatch):
         client.send(item)
         assert client.until("error")[-1]["error"]["code"] == "too_many_items"  # the per-connection cap
         _assert_open(client)
+
+
+def test_a_client_leaving_while_its_prompt_prefills_frees_the_slot_at_once(server):
+    """The model session opens at the first append with the prompt so far (one token per
+    tick); a client that leaves during that prefill gives its slot back at once."""
+    import time
+
+    prompt = {"type": "session.update", "session": {"instructions": "ab cd " * 80}}  # about 480 tokens
+    silence = {"type": "input_audio_buffer.append", "audio": base64.b64encode(np.zeros(4800, "<i2").tobytes()).decode()}
+    with _ga(server) as timed:  # how long the prompt takes here: the commit waits for the open
+        timed.recv()
+        timed.send(prompt)
+        timed.until("session.updated")
+        started = time.monotonic()
+        timed.send(silence)
+        timed.send({"type": "input_audio_buffer.commit"})
+        timed.until("input_audio_buffer.committed", timeout=120)
+        prefill = time.monotonic() - started
+    server.wait_slot_free()
+    client = _ga(server)
+    client.recv()
+    client.send(prompt)
+    client.until("session.updated")
+    client.send(silence)
+    time.sleep(0.2)
+    assert server.health()["session_slot"] == "busy"
+    left = time.monotonic()
+    client.ws.close()
+    server.wait_slot_free(timeout=prefill + 10)
+    released = time.monotonic() - left
+    assert released < max(0.5, prefill / 3), (released, prefill)

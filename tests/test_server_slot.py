@@ -108,6 +108,34 @@ def test_slot_is_released_when_the_client_closes_during_a_long_append(server, au
     _assert_admitted(server, audio)
 
 
+@pytest.mark.parametrize("leave", ["close", "drop"])
+def test_slot_is_released_at_once_when_the_client_leaves_while_its_prompt_prefills(server, audio, leave):
+    """A long system prompt runs one token per tick before session.updated; a client that
+    leaves meanwhile gives its slot back at once, not when the whole prompt has run."""
+    prompt = "ab cd " * 125  # about 500 tokens (the limit is 512)
+    with server.connect() as timed:  # how long this prompt takes to prefill here
+        timed.created()
+        started = time.monotonic()
+        timed.send({"type": "session.update", "session": {"system_prompt": prompt}})
+        timed.recv_type("session.updated", timeout=120)
+        prefill = time.monotonic() - started
+    server.wait_slot_free()
+    first = server.connect()
+    first.created()
+    first.send({"type": "session.update", "session": {"system_prompt": prompt}})
+    time.sleep(0.2)
+    assert server.health()["session_slot"] == "busy"
+    left = time.monotonic()
+    if leave == "close":
+        first.ws.close()
+    else:
+        first.drop()
+    server.wait_slot_free(timeout=prefill + 10)
+    released = time.monotonic() - left
+    assert released < max(0.5, prefill / 3), (released, prefill)
+    _assert_admitted(server, audio)
+
+
 @pytest.mark.parametrize("moment", ["unconfigured", "configured", "mid-append"])
 def test_slot_is_released_after_an_abrupt_drop(server, audio, moment):
     """The TCP connection goes away without a close frame (shutdown + close)."""

@@ -34,7 +34,7 @@ import time
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol
-from .engine import RealtimeEngine
+from .engine import RealtimeEngine, Reply
 from .inbox import Inbox, append_samples, held_bytes
 from .protocol import (
     INFERENCE_ERROR,
@@ -76,6 +76,9 @@ class Connection:
         self.inbox_peak = 0
         # The client disconnected (or stopped reading): pending work is abandoned.
         self.gone = False
+        # Set as soon as the client is known to be gone (the reader saw it leave, or the
+        # transport was lost): a session.update still prefilling its prompt stops waiting.
+        self._left = asyncio.Event()
         # Reading-order numbers of the cancel (and, in a dialect with cancels, commit)
         # messages read but not yet dispatched: an append stops at the next slice boundary
         # while a cancel is queued with no commit before it (:meth:`cancel_ahead`; a commit
@@ -152,6 +155,7 @@ class Connection:
                 if frame["type"] == "websocket.disconnect":
                     self.gone = True
                     self.engine.mark_leaving(self.session_id)  # a new connection may wait for the slot
+                    self._left.set()
                     break
                 self.last_message_at = time.monotonic()
                 text, data = frame.get("text"), frame.get("bytes")
@@ -181,6 +185,7 @@ class Connection:
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.gone = True
             self.engine.mark_leaving(self.session_id)
+            self._left.set()
         await self._enqueue(("disconnect", None))
 
     def _note_read(self, message: dict) -> None:
@@ -233,7 +238,7 @@ class Connection:
             return
         extension = (self.websocket.scope.get("extensions") or {}).get(ABORT_EXTENSION) or {}
         if "on_lost" in extension:  # the socket may go while the reader waits on a full inbox
-            extension["on_lost"](lambda: self.engine.mark_leaving(self.session_id))
+            extension["on_lost"](self._transport_lost)
         reader = asyncio.create_task(self._reader())
         try:
             await self.send(self.greeting())
@@ -275,6 +280,35 @@ class Connection:
                 await self.engine.call("close", self.session_id)
             self.engine.release(self.session_id)
 
+    def _transport_lost(self) -> None:
+        """The transport's connection-lost callback (on the event loop)."""
+        self.engine.mark_leaving(self.session_id)
+        self._left.set()
+
+    async def open_session(self, config) -> Reply:
+        """Open the engine session (``config``: a :class:`~.protocol.SessionConfig`); its
+        reply comes once the system prompt is prefilled, one token per tick.
+
+        If the client leaves before that, the session is closed at once (the engine drops
+        the prefill and answers the open with an error) and its slot is given back by
+        :meth:`run`, instead of when the whole prompt has run.
+
+        Raises:
+            _Disconnected: the client left while the prompt was prefilling.
+        """
+        opening = asyncio.ensure_future(self.engine.call("open", self.session_id, config=config))
+        left = asyncio.ensure_future(self._left.wait())
+        try:
+            await asyncio.wait({opening, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+        if not opening.done():
+            self.engine.mark_leaving(self.session_id)
+            await self.engine.call("close", self.session_id)
+            await opening  # answered by the close (the session was closed)
+            raise _Disconnected()
+        return opening.result()
+
     async def _end(self, code: int) -> None:
         """Close the session, give the slot back, then send the close frame."""
         self.finished = True
@@ -311,7 +345,7 @@ class Connection:
         except ProtocolError as error:
             await self.send_error(error.code, error.message)
             return
-        reply = await self.engine.call("open", self.session_id, config=config)
+        reply = await self.open_session(config)
         if reply.error is not None:  # any failure to open is a failed session.update
             await self.send_error(SESSION_INITIALIZATION_FAILED, reply.error.message)
             return

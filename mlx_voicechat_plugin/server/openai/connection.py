@@ -204,7 +204,7 @@ class OpenAIConnection(Connection):
             return
         prompt = self._prompt()
         config = protocol.SessionConfig(system_prompt=prompt, seed=0, max_streaming_seconds=self.settings.max_session_seconds)
-        reply = await self.engine.call("open", self.session_id, config=config)
+        reply = await self.open_session(config)
         if reply.error is not None:
             raise RealtimeError("session_initialization_failed", reply.error.message, error_type=SERVER_ERROR)
         self.opened = self.configured = True
