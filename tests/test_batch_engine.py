@@ -249,6 +249,37 @@ def test_batched_equals_solo_on_mlx_own_operations(checkpoint):
     assert done.returncode == 0 and done.stdout.strip().endswith("identical"), done.stderr[-3000:]
 
 
+def test_sessions_prefilling_together_share_one_step_per_token(models, inputs):
+    """Sessions whose prompts prefill at the same time run each token as one batched step
+    (one host evaluation per tick for all of them, not one each); every session's events
+    are still its solo run's."""
+    from mlx_voicechat_plugin.bench.graph import GraphCounter
+
+    ours, tokenizer, *_ = models("tiny")
+    engine = BatchedEngine(ours, tokenizer)
+    opened = [(samples, options, engine.open(options)) for samples, options, _ in inputs if options.system_prompt]
+    lengths = [len(engine.session(session_id).prompt_ids) for *_, session_id in opened]
+    assert len(opened) == 2 and min(lengths) > 3 and lengths[0] != lengths[1]
+    with GraphCounter() as counter:
+        engine.tick()  # the first token of both prompts
+        assert counter.frame().evaluations == 1
+    events = {session_id: [] for *_, session_id in opened}
+    frames = {session_id: 0 for *_, session_id in opened}
+    while any(frames[session_id] * FRAME < len(samples) for samples, _, session_id in opened):
+        for samples, _, session_id in opened:
+            start = frames[session_id] * FRAME
+            if not engine.prefilling(session_id) and start < len(samples):
+                engine.push_audio(session_id, samples[start : start + FRAME])
+                frames[session_id] += 1
+        for session_id, result in engine.tick().items():
+            assert result.error is None, result.error
+            events[session_id] += result.events
+    for samples, options, session_id in opened:
+        used = samples[: (len(samples) // FRAME) * FRAME]
+        alone = solo(ours, tokenizer, used, options)
+        assert comparable(events[session_id]) == comparable(alone)[:-1]
+
+
 def test_a_joining_session_prefills_one_prompt_token_per_tick(models, inputs):
     """The system prompt of a session that joins runs beside the others' frames, one token
     per tick, and its audio waits for it; every session's events are still its solo run."""

@@ -32,7 +32,7 @@ from ..streaming.errors import (
 )
 from ..streaming.events import Done
 from ..streaming.options import StreamingOptions
-from ..streaming.step import prefill, step_frames
+from ..streaming.step import prefill_rows, step_frames
 
 
 class SessionLimitError(StreamingError, RuntimeError):
@@ -246,9 +246,9 @@ class BatchedEngine:
         results: dict[str, TickResult] = {}
         stepping: list[tuple[str, _Slot, np.ndarray]] = []
         start = time.perf_counter()
-        for session_id, slot in list(self._slots.items()):
-            if slot.prefill:  # before any frame leaves a buffer: an interrupt here loses none
-                self._prefill_one(session_id, slot, results)
+        prefilling = [(session_id, slot) for session_id, slot in self._slots.items() if slot.prefill]
+        if prefilling:  # before any frame leaves a buffer: an interrupt here loses none
+            self._prefill_rows(prefilling, results)
         for session_id, slot in list(self._slots.items()):
             if slot.prefill or session_id in results:
                 continue
@@ -295,19 +295,21 @@ class BatchedEngine:
                 return [error]
         return step_frames([slot.session.state for _, slot, _ in stepping], [frame for *_, frame in stepping])
 
-    def _prefill_one(self, session_id: str, slot: _Slot, results: dict) -> None:
-        """Run the next system-prompt token (:func:`~..streaming.step.prefill` of one
-        token, as a solo session's constructor runs them all)."""
-        session = slot.session
-        token = slot.prefill.pop(0)
+    def _prefill_rows(self, prefilling: list[tuple[str, _Slot]], results: dict) -> None:
+        """Run the next system-prompt token of every prefilling session in one batched step
+        (:func:`~..streaming.step.prefill_rows`; each row as a solo session's constructor
+        runs that token). A failing step fails and removes those sessions."""
+        tokens = [slot.prefill.pop(0) for _, slot in prefilling]
         try:
-            prefill(session.state, [token])
-        except Exception as error:  # noqa: BLE001 - reported for this session only
-            session.close()
-            del self._slots[session_id]
-            results[session_id] = TickResult(error=error, finished=True)
+            prefill_rows([slot.session.state for _, slot in prefilling], tokens)
+        except Exception as error:  # noqa: BLE001 - reported for these sessions only
+            for session_id, slot in prefilling:
+                slot.session.close()
+                del self._slots[session_id]
+                results[session_id] = TickResult(error=error, finished=True)
             return
-        results.setdefault(session_id, TickResult())
+        for session_id, _ in prefilling:
+            results.setdefault(session_id, TickResult())
 
     def _take_frame(self, session_id: str, slot: _Slot, results: dict) -> np.ndarray | None:
         """The slot's next frame (removed from its buffer), or None; a frame past the

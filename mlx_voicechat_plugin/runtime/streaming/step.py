@@ -283,34 +283,49 @@ def _events(state, text_id: int, function_id: int, symbols: list[int], samples: 
 
 
 def prefill(state, tokens: list[int]) -> None:
-    """Run system-prompt tokens through the timeline of one session (spec step 3): each
-    token's embedding takes the audio slot of the LLM input; EAR-TTS steps on the pad text
-    token (the silence codes at the first position). One evaluation per token.
+    """Run system-prompt tokens through the timeline of one session (spec step 3), one
+    :func:`prefill_rows` step (one evaluation) per token.
 
     Raises:
         Whatever the model raises; the session is failed first.
     """
-    if not tokens:
+    for token in tokens:
+        prefill_rows([state], [token])
+
+
+def prefill_rows(states: list, tokens: list[int]) -> None:
+    """One system-prompt token for each of ``B`` sessions, batched (spec step 3): each
+    token's embedding takes the audio slot of the LLM input; EAR-TTS steps on the pad text
+    token (the silence codes at a session's first position). One evaluation for all rows;
+    each row's state ends as its own :func:`prefill` of that token leaves it.
+
+    Args:
+        states: the sessions' streaming states (``B >= 1``).
+        tokens: one prompt token id per state.
+
+    Raises:
+        Whatever the model raises; every state is failed first.
+    """
+    if not states:
         return
-    model = state.model
+    model = states[0].model
     pad = model.config.pad_token_id
     try:
-        embeds = model.stt_model.embed_tokens(mx.array([tokens], dtype=mx.int32))
-        for index in range(len(tokens)):
-            text_logits, function_logits = language_step(
-                model, [state.language], _fuse(model, [state], embeds[:, index : index + 1])
-            )
-            codes, keyed = _speak(model, [state], [pad], None)
-            mx.eval(
-                codes[0],
-                text_logits,
-                function_logits,
-                *state.language.state_arrays(),
-                *state.speech.state_arrays(),
-                *(keys for _, keys in keyed),
-            )
+        embeds = model.stt_model.embed_tokens(mx.array([[token] for token in tokens], dtype=mx.int32))
+        text_logits, function_logits = language_step(model, [state.language for state in states], _fuse(model, states, embeds))
+        codes, keyed = _speak(model, states, [pad] * len(states), None)
+        mx.eval(
+            *codes,
+            text_logits,
+            function_logits,
+            *(array for state in states for array in state.language.state_arrays()),
+            *(array for state in states for array in state.speech.state_arrays()),
+            *(keys for _, keys in keyed),
+        )
+        for state in states:
             state.speech.evaluated()
-            _store_keys([state], keyed)
+        _store_keys(states, keyed)
     except BaseException as error:
-        state.fail(error)
+        for state in states:
+            state.fail(error)
         raise
