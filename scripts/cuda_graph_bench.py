@@ -33,7 +33,7 @@ from pathlib import Path
 SETTINGS = {
     "default": {},
     "cache 10000": {"MLX_CUDA_GRAPH_CACHE_SIZE": "10000"},
-    "cache 10000, 100 ops": {"MLX_CUDA_GRAPH_CACHE_SIZE": "10000", "MLX_MAX_OPS_PER_BUFFER": "100"},
+    "cache 10000, 250 ops": {"MLX_CUDA_GRAPH_CACHE_SIZE": "10000", "MLX_MAX_OPS_PER_BUFFER": "250"},
     "no graphs": {"MLX_USE_CUDA_GRAPHS": "0"},
 }
 KEEP = ("sessions", "tick_median_ms", "tick_p90_ms", "tick_cpu_median_ms", "primitives_per_tick")
