@@ -27,8 +27,9 @@ a VoiceChat checkpoint (before the weights load), and ``mlx-voicechat generate``
 call it before building the built-in demo checkpoint
 (:func:`~mlx_voicechat_plugin.registration.hooks.apply_cuda_defaults`). A value the user
 set is never changed (``MLX_CUDA_GRAPH_CACHE_SIZE=400 MLX_ENABLE_CACHE_THRASHING_CHECK=1``
-are MLX's own defaults). On Metal and the CPU nothing is set. The speed effect of the larger cache has not been measured
-(``scripts/cuda_graph_bench.py`` times the tick under these settings).
+are MLX's own defaults). On Metal and the CPU nothing is set. The speed effect of the
+larger cache has not been measured (``scripts/cuda_graph_bench.py`` times the tick under
+these settings).
 """
 
 from __future__ import annotations

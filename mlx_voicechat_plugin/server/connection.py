@@ -154,8 +154,7 @@ class Connection:
                 frame = await self.websocket.receive()
                 if frame["type"] == "websocket.disconnect":
                     self.gone = True
-                    self.engine.mark_leaving(self.session_id)  # a new connection may wait for the slot
-                    self._left.set()
+                    self._client_left()
                     break
                 self.last_message_at = time.monotonic()
                 text, data = frame.get("text"), frame.get("bytes")
@@ -184,8 +183,7 @@ class Connection:
                 await self._enqueue(("message", (text, self.last_message_at)), samples, held_bytes(text))
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.gone = True
-            self.engine.mark_leaving(self.session_id)
-            self._left.set()
+            self._client_left()
         await self._enqueue(("disconnect", None))
 
     def _note_read(self, message: dict) -> None:
@@ -238,7 +236,7 @@ class Connection:
             return
         extension = (self.websocket.scope.get("extensions") or {}).get(ABORT_EXTENSION) or {}
         if "on_lost" in extension:  # the socket may go while the reader waits on a full inbox
-            extension["on_lost"](self._transport_lost)
+            extension["on_lost"](self._client_left)
         reader = asyncio.create_task(self._reader())
         try:
             await self.send(self.greeting())
@@ -280,8 +278,10 @@ class Connection:
                 await self.engine.call("close", self.session_id)
             self.engine.release(self.session_id)
 
-    def _transport_lost(self) -> None:
-        """The transport's connection-lost callback (on the event loop)."""
+    def _client_left(self) -> None:
+        """The client is gone (the reader saw it leave, or the transport's connection-lost
+        callback, on the event loop): a new connection may wait for this slot, and a
+        prefilling ``session.update`` stops waiting (:meth:`open_session`)."""
         self.engine.mark_leaving(self.session_id)
         self._left.set()
 
@@ -302,8 +302,7 @@ class Connection:
             await asyncio.wait({opening, left}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             left.cancel()
-        if not opening.done():
-            self.engine.mark_leaving(self.session_id)
+        if not opening.done():  # the slot is already marked leaving (_client_left)
             await self.engine.call("close", self.session_id)
             await opening  # answered by the close (the session was closed)
             raise _Disconnected()
