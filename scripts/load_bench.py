@@ -161,6 +161,9 @@ def main() -> int:
         targets = [(preset, None) for preset in args.presets] + [(Path(path).name, Path(path)) for path in args.model]
         if not targets:
             parser.error("nothing to measure: give --presets or --model")
+        missing = [path for path in args.model if not (Path(path) / "config.json").is_file()]
+        if missing:
+            parser.error(f"--model {missing[0]}: not a checkpoint directory (no config.json)")
         for preset, given in targets:
             model = given or Path(tmp) / preset
             if given is None:
