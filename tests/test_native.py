@@ -75,6 +75,7 @@ def test_matmul_is_bit_identical(kernels, dtype, rows, inner, outputs):
     assert _same(native.matmul(a, weight.T), a @ weight.T)
     assert _same(native.matmul(a, mx.contiguous(weight.T)), a @ weight.T)
     assert _same(native.linear(a, weight), a @ weight.T)
+    assert _same(native.linear(a, mx.contiguous(weight.T).T), a @ weight.T)  # store_transposed's layout
     expected = (a @ weight.T) + bias if dtype == mx.float32 else mx.addmm(bias, a, weight.T)
     assert _same(native.linear(a, weight, bias), expected)
     assert _same(native.matmul(a, weight.T, bias), expected)
@@ -111,21 +112,31 @@ def test_matmul_non_finite_values(kernels, dtype):
     assert _same(native.matmul(big, big.T), big @ big.T)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+#: (K, N) of row-major weights for the few-rows loops: narrower than a vector or a panel,
+#: whole panels, a partial last panel, wider than a 1,024-column chunk, K past the prefetch
+#: distance and below it.
+ROW_MAJOR_SHAPES = ((1, 3), (1024, 15), (17, 1024), (40, 1030), (9, 2100), (300, 16), (64, 33), (1024, 64))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9])
 def test_few_rows_against_row_major_float32_weights(kernels, rows):
-    """1-4 rows against a row-major float32 ``(K, N)`` weight at least a vector wide take the
-    kernel's memory-order loop (``outer_rows``: the sums held in the output, 1,024 columns at
-    a time); 5 rows and narrower weights the packed panels. Same bits either way: widths
-    across the column chunks and the vector tail, non-finite values, signed zeros and
-    subnormals, with and without bias."""
+    """Few rows against a row-major float32 ``(K, N)`` weight take the kernel's loops that
+    read it where it lies: 1-4 rows the memory-order loop (``outer_rows``: the sums held in
+    the output, 1,024 columns at a time), 3-8 rows on AVX-512 the in-place panels
+    (``in_place``: sums in registers, the last partial panel packed); more rows and narrower
+    weights the packed panels. Same bits in every case: widths across the column chunks,
+    panels and the vector tail, a column half of a weight (row stride larger than its
+    width), non-finite values, signed zeros and subnormals, with and without bias."""
     rng = np.random.default_rng(100 + rows)
-    for inner, outputs in ((1, 3), (1024, 15), (17, 1024), (40, 1030), (9, 2100), (300, 16)):
+    for inner, outputs in ROW_MAJOR_SHAPES:
         a = _random(rng, (rows, inner), mx.float32, 3.0)
         weight = mx.contiguous(_random(rng, (inner, outputs), mx.float32))  # (K, N) row-major
         assert _same(native.matmul(a, weight), a @ weight), (inner, outputs)
         assert _same(native.linear(a, weight.T), a @ weight), (inner, outputs)  # store_transposed's layout
         bias = _random(rng, (outputs,), mx.float32, 10.0)
         assert _same(native.linear(a, weight.T, bias), (a @ weight) + bias)
+        half = weight.T[: outputs // 2 + 1]  # a column split's half: (N', K) with row stride N
+        assert _same(native.linear(a, half), a @ half.T), (inner, outputs)
     weight = mx.contiguous(_random(rng, (33, 1030), mx.float32))
     special = mx.array([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 3e38], dtype=mx.float32)
     a = mx.where(mx.arange(33) % 4 == 0, special[mx.arange(33) % 8], _random(rng, (rows, 33), mx.float32))
@@ -133,6 +144,38 @@ def test_few_rows_against_row_major_float32_weights(kernels, rows):
     assert _same_up_to_nan_sign(native.matmul(a, w), a @ w)
     zeros = -mx.zeros((rows, 33))
     assert _same(native.matmul(zeros, weight), zeros @ weight)  # -0 products sum to +0, as MLX's
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("rows_dtype", [mx.bfloat16, mx.float32], ids=str)
+def test_rows_against_row_major_bfloat16_weights(kernels, rows, rows_dtype):
+    """A row-major bfloat16 ``(K, N)`` weight (how the CPU layer holds 16-bit weights; and
+    the bfloat16 copies of pinned float32 weights, multiplied by float32 rows) is widened
+    as it is read, a vector at a time: in the memory-order loop for 1-4 rows, the in-place
+    panels for 3-8 rows on AVX-512, into the packed panels for more. Same bits as MLX, and for float32 rows the same bits as the
+    float32 weight of the same values: widths across the column chunks and the vector tail,
+    a column half of a weight (row stride larger than its width), non-finite values, signed
+    zeros and bfloat16 subnormals."""
+    rng = np.random.default_rng(200 + rows)
+    for inner, outputs in ROW_MAJOR_SHAPES:
+        a = _random(rng, (rows, inner), rows_dtype, 3.0)
+        weight = mx.contiguous(_random(rng, (inner, outputs), mx.bfloat16))  # (K, N) row-major
+        assert _same(native.matmul(a, weight), a @ weight), (inner, outputs)
+        assert _same(native.linear(a, weight.T), a @ weight), (inner, outputs)
+        if rows_dtype == mx.float32:
+            wide = weight.astype(mx.float32)
+            assert _same(native.linear(a, weight.T), a @ wide), (inner, outputs)
+        half = weight.T[: outputs // 2 + 1]  # a column split's half: (N', K) with row stride N
+        assert _same(native.linear(a, half), a @ half.T), (inner, outputs)
+    special = mx.array([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-39, -1e-39, 3e38], dtype=mx.float32)
+    weight = mx.contiguous(_random(rng, (33, 1030), mx.bfloat16))
+    w = mx.where((mx.arange(1030) % 97 == 0)[None, :], special[mx.arange(33) % 8][:, None].astype(mx.bfloat16), weight)
+    a = mx.where(mx.arange(33) % 4 == 0, special[mx.arange(33) % 8], _random(rng, (rows, 33), mx.float32)).astype(rows_dtype)
+    assert _same_up_to_nan_sign(native.matmul(a, w), a @ w)
+    if rows_dtype == mx.float32:
+        assert _same_up_to_nan_sign(native.matmul(a, w), a @ w.astype(mx.float32))
+    bits = w.view(mx.uint16)
+    assert bool((((bits & 0x7F80) == 0) & ((bits & 0x7F) != 0)).any().item())  # subnormals present
 
 
 def test_matmul_mixed_dtypes_and_bad_shapes_follow_mlx(kernels):

@@ -64,6 +64,70 @@ def test_store_transposed_keeps_values_shape_and_name():
     assert sorted(linear.parameters()) == ["bias", "weight"]
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=str)
+def test_store_transposed_lays_out_16_bit_weights_as_k_by_n(dtype):
+    linear = nn.Linear(32, 48, bias=False)
+    linear.weight = linear.weight.astype(dtype)
+    before = np.array(linear.weight.astype(mx.float32))
+    store_transposed(linear)
+    assert linear.weight.shape == (48, 32) and linear.weight.dtype == dtype
+    np.testing.assert_array_equal(np.array(linear.weight.astype(mx.float32)), before)
+    x = mx.random.normal((3, 32)).astype(dtype)
+    assert mx.array_equal(linear(x), x @ mx.array(before).astype(dtype).T).item()
+
+
+def _pinned_linear(inputs, outputs, bias=False):
+    """A SplitLinear whose float32 weight holds bfloat16 values (a pinned weight)."""
+    linear = nn.Linear(inputs, outputs, bias=bias)
+    linear.weight = linear.weight.astype(mx.bfloat16).astype(mx.float32)
+    install_split_linears(linear)
+    return linear
+
+
+def test_pinned_float32_weights_get_a_bfloat16_copy_with_the_same_products(monkeypatch):
+    """Float32 rows against a float32 weight whose values are bfloat16 values multiply its
+    bfloat16 copy, bit for bit the float32 product; the parameters are untouched."""
+    from mlx_voicechat_plugin.accel.cpu import native
+
+    assert native.available(), native.status()
+    monkeypatch.setitem(native._state, "decisions", {})
+    linear = _pinned_linear(256, 1024)
+    weight = linear.weight
+    copy = parallel.narrow_weight(linear)
+    assert copy is not None and copy.dtype == mx.bfloat16 and copy.shape == (1024, 256)
+    assert sorted(linear.parameters()) == ["weight"] and linear.weight is weight and weight.dtype == mx.float32
+    used = []
+    original = parallel.linear
+    monkeypatch.setattr(parallel, "linear", lambda x, w, b=None: used.append(w.dtype) or original(x, w, b))
+    for rows in (1, 2, 4, 8, 33):
+        x = mx.random.normal((rows, 256))
+        assert mx.array_equal((linear(x)).view(mx.uint32), (x @ weight.T).view(mx.uint32)).item(), rows
+    assert set(used) == {mx.bfloat16}
+    # float16 rows (a float16 product, not float32) and a switched-off kernel keep the weight
+    used.clear()
+    half = mx.random.normal((2, 256)).astype(mx.float16)
+    assert mx.array_equal(linear(half), half @ weight.T).item()
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    x = mx.random.normal((2, 256))
+    assert mx.array_equal(linear(x), x @ weight.T).item()
+    assert used == [mx.float32, mx.float32]
+
+
+def test_no_bfloat16_copy_of_true_float32_weights_or_with_a_bias():
+    """A weight with values bfloat16 cannot hold, or NaN, gets no copy; nor does a weight
+    with a bias (whose sum order the copy's path does not take)."""
+    linear = nn.Linear(64, 96, bias=False)
+    install_split_linears(linear)
+    assert parallel.narrow_weight(linear) is None
+    nan = _pinned_linear(64, 96)
+    nan.weight = mx.where(mx.arange(64) == 5, float("nan"), nan.weight)
+    assert parallel.narrow_weight(nan) is None
+    biased = _pinned_linear(64, 96, bias=True)
+    assert "narrow_bf16" not in biased.__dict__.get("_derived", {})
+    x = mx.random.normal((8, 64))
+    assert mx.array_equal(biased(x), (x @ biased.weight.T) + biased.bias).item()
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_split_quantized_linear_equals_quantized_linear(always_split, bits):
     base = nn.Linear(128, 256, bias=True)

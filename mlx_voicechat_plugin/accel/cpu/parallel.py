@@ -48,7 +48,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...environment import flag
-from .native import linear, quantized_matmul
+from ...model.derived import derived
+from .native import linear, quantized_matmul, runs_kernel
 
 #: Environment switch: ``0`` keeps every product on one stream.
 SPLIT_ENV = "MLX_VOICECHAT_CPU_SPLIT"
@@ -235,40 +236,89 @@ def chunked_rows(x: mx.array, product, rows_per_chunk: int, weight_elements: int
     return _row_pieces(x, product, bounds, split_stream(rows * weight_elements, rows), aligned)
 
 
+#: Weight dtypes :func:`store_transposed` re-lays out.
+TRANSPOSED_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+
+
 def store_transposed(linear: nn.Linear) -> None:
-    """Hold a float32 ``linear.weight`` ``(N, K)`` as the transpose of a row-contiguous
-    ``(K, N)`` array: same values, shape and name, no extra memory.
+    """Hold a float ``linear.weight`` ``(N, K)`` as the transpose of a row-contiguous
+    ``(K, N)`` array: same values, dtype, shape and name, no extra memory.
 
     MLX's CPU product ``x @ weight.T`` then hands BLAS a row-major ``(K, N)`` operand,
     whose reference implementation runs its vectorisable loop form: 1.5-1.9x faster than
-    the ``(N, K)`` layout for the few-row products of a streamed frame, with the same sums;
-    the native kernel reads it in memory order for one to four rows (:mod:`.native`).
-    (bfloat16/float16 products convert the weight to float32 first, so their layout does
-    not matter.)
+    the ``(N, K)`` layout for the few-row products of a streamed frame, with the same sums.
+    The native kernel (:mod:`.native`) reads a row-major ``(K, N)`` weight in memory order
+    for one to four rows and copies contiguous runs of it into its panels otherwise; a
+    16-bit ``(N, K)`` weight makes it gather one element per weight row instead (2-16x
+    slower for a streamed frame's bfloat16 products, ``docs/performance.md``). MLX's own
+    16-bit products convert the weight to float32 first, in either layout.
     """
     weight = linear["weight"]
-    if weight.dtype == mx.float32 and weight.ndim == 2:
-        transposed = mx.contiguous(weight.T)
-        mx.eval(transposed)
-        linear.weight = transposed.T
+    if weight.dtype in TRANSPOSED_DTYPES and weight.ndim == 2:
+        transposed = mx.contiguous(weight.T).T
+        mx.eval(transposed)  # the view too: a lazy one belongs to this thread's stream
+        linear.weight = transposed
+
+
+def _narrow_copy(weight: mx.array) -> mx.array:
+    """A bfloat16 copy of a float32 ``(N, K)`` weight held as the transpose of a
+    row-contiguous ``(K, N)`` array, when every value is a bfloat16 value (a weight pinned
+    from a bfloat16 checkpoint, :mod:`mlx_voicechat_plugin.model.pinning`); else an empty
+    array."""
+    empty = mx.zeros((0,), dtype=mx.bfloat16)
+    if weight.dtype != mx.float32 or weight.ndim != 2 or weight.size == 0:
+        return empty
+    narrow = weight.astype(mx.bfloat16)
+    if not mx.array_equal(narrow.astype(mx.float32), weight).item():  # NaN: no copy either
+        return empty
+    return mx.contiguous(narrow.T).T
+
+
+def narrow_weight(linear: nn.Linear) -> mx.array | None:
+    """The bfloat16 copy of ``linear``'s float32 weight (:func:`_narrow_copy`), built once
+    per weight object (:func:`~mlx_voicechat_plugin.model.derived.derived`), or None when
+    its values are not all bfloat16 values.
+
+    Products of float32 rows against it are the float32 products bit for bit (MLX widens
+    a bfloat16 operand exactly and multiplies in float32; the native kernel does the same,
+    :func:`.native.linear`), reading half the bytes: 1.1-2.4x faster for 1-8 rows against
+    weights not in the cache (AVX-512; 1.05-1.5x with AVX2; ``docs/performance.md``). Costs
+    2 bytes per parameter of the weight.
+    """
+    copy = derived(linear, "narrow_bf16", _narrow_copy)
+    return copy if copy.size else None
 
 
 class SplitLinear(nn.Linear):
     """``nn.Linear`` whose product runs on two CPU cores (same parameters, same result).
 
     float32 weights (held by :func:`store_transposed`) split the input rows, so each core
-    reads a well-laid-out weight; other dtypes split the output columns.
+    reads a well-laid-out weight; other dtypes split the output columns. Float32 rows
+    against a float32 weight whose values are all bfloat16 values, with no bias, multiply
+    the weight's bfloat16 copy (:func:`narrow_weight`) when the native kernel runs the
+    product (:func:`.native.runs_kernel`): the same bits from half the bytes.
     """
+
+    def prepare_derived(self) -> None:
+        """Build the bfloat16 weight copy now (a float32 weight without bias, CPU device)
+        rather than in the first frame."""
+        if mx.default_device() == mx.cpu and "bias" not in self and self["weight"].dtype == mx.float32:
+            narrow_weight(self)
 
     def __call__(self, x: mx.array) -> mx.array:
         weight = self["weight"]
         bias = self["bias"] if "bias" in self else None
         if weight.dtype == mx.float32:
+            operand = weight
+            if bias is None and x.dtype == mx.float32 and runs_kernel(x, mx.float32):
+                operand = narrow_weight(self)
+                if operand is None:
+                    operand = weight
 
             def whole(inputs):
                 # Not addmm: with this layout BLAS would start the sum from the bias,
                 # whereas the (N, K) layout adds the bias to the finished sum.
-                return linear(inputs, weight, bias)
+                return linear(inputs, operand, bias)
 
             return split_rows(x, whole, weight.size)
 
@@ -311,8 +361,10 @@ class SplitQuantizedLinear(nn.QuantizedLinear):
 
 def install_split_linears(module: nn.Module) -> int:
     """Give every plain ``nn.Linear`` / ``nn.QuantizedLinear`` under ``module`` its
-    two-core class (parameter values untouched; float32 weights re-laid out by
-    :func:`store_transposed` when the default device is the CPU); returns how many changed.
+    two-core class (parameter values untouched; float weights re-laid out by
+    :func:`store_transposed`, and bfloat16 copies of pinned float32 weights built by
+    :meth:`SplitLinear.prepare_derived`, when the default device is the CPU); returns how
+    many changed.
     """
     changed = 0
     relayout = mx.default_device() == mx.cpu
@@ -321,6 +373,7 @@ def install_split_linears(module: nn.Module) -> int:
             child.__class__ = SplitLinear
             if relayout:
                 store_transposed(child)
+                child.prepare_derived()
         elif type(child) is nn.QuantizedLinear:
             child.__class__ = SplitQuantizedLinear
         else:

@@ -5,7 +5,7 @@ total work) matrix products and quantized products per dtype, depthwise convolut
 quantiser search and the codec's GELU lookups, each in the ``vector`` regime (a streamed
 frame's one or two rows) and the ``matrix`` regime (64 rows, offline). The operands are
 random arrays of the model's shapes and dtypes, laid out as the CPU layer holds them
-(float32 weights as transposed row-contiguous copies); a very large weight is cut to
+(float weights as transposes of row-contiguous arrays); a very large weight is cut to
 :data:`MAX_VECTOR_ELEMENTS` / :data:`MAX_MATRIX_ELEMENTS` elements along its output axis
 (the per-column work is unchanged) so a measurement stays short.
 """
@@ -88,8 +88,8 @@ def matmul_workloads(module, products: Counter) -> list[Workload]:
             width = max(1, min(outputs, limit // max(inner, 1)))
             a = _random((rows, inner), dtype)
             weight = _random((width, inner), dtype)
-            if dtype == mx.float32:  # held as the transpose of a row-contiguous (K, N) copy
-                weight = mx.contiguous(weight.T).T
+            # held as the transpose of a row-contiguous (K, N) array (parallel.store_transposed)
+            weight = mx.contiguous(weight.T).T
             mx.eval(a, weight)
             workloads.append(
                 Workload(

@@ -12,12 +12,17 @@ multiply-add) and round it once to the output dtype. ``kernels.cpp`` computes th
 same sum in that same order, vectorised across output columns and blocked across rows: the
 results are bit-identical to ``mx.matmul`` / ``mx.addmm`` and several times faster on rows
 of activations (10-15x at 64-441 rows, about 2.5x for two rows against a float32 weight on
-the machine in ``docs/performance.md``). One to four float32 rows against a row-major
-float32 ``(K, N)`` weight at least one vector wide (how :func:`..parallel.store_transposed`
-holds them) read the weight in memory order, the sums held in the output, instead of panel
-by panel: a panel's rows lie a whole weight row apart, each in another page, where the
-hardware prefetchers stop (the panel copies of larger products prefetch those rows in
-software).
+the machine in ``docs/performance.md``). Few rows against a row-major float32 or bfloat16
+``(K, N)`` weight (how :func:`..parallel.store_transposed` holds them) read it where it
+lies: one to four rows in memory order, the sums held in the output; on AVX-512 three to
+eight rows panel by panel without packing them, the sums in registers and the rows ahead
+prefetched in software (a panel's rows lie a whole weight row apart, each in another page,
+where the hardware prefetchers stop; 1.1-2.6x faster than either other order for a batched
+tick's rows, ``docs/performance.md``). A bfloat16 weight (or row) is widened to float32 a vector at a time as it is
+read (the 16 bits shifted into the upper half: exact); so float32 rows against the
+bfloat16 copy of a pinned float32 weight (:func:`..parallel.narrow_weight`) give the
+float32 product's bits from half the bytes. A 16-bit weight held ``(N, K)`` still works,
+one element gathered per weight row (2-16x slower for a streamed frame's products).
 
 **Depthwise convolutions** (``nn.Conv1d`` with ``groups`` equal to the channels: the codec's
 ConvNeXt blocks, the conformer's convolution module, the Mamba layers): MLX sums the taps in
@@ -226,6 +231,13 @@ def _use(kernel: str, dtype: mx.Dtype | None, rows: int | None) -> bool:
 
 def _rows(x: mx.array) -> int:
     return x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+
+
+def runs_kernel(x: mx.array, dtype: mx.Dtype) -> bool:
+    """Whether :func:`linear` / :func:`matmul` run the extension now for rows ``x`` in the
+    ``dtype`` family (loaded, on, the CPU default device, and not switched off for that
+    dtype and ``x``'s row regime by the self-measurement)."""
+    return _use("matmul", dtype, _rows(x))
 
 
 def usable(a: mx.array, b: mx.array) -> bool:
