@@ -16,7 +16,8 @@ The runtime asks the loaded model for these contexts (:func:`execution_of`):
   compiles the static-shape blocks (:mod:`mlx_voicechat_plugin.runtime.compiled`);
 * :meth:`Execution.attention_per_session` says how a batched one-query attention over
   sessions' KV caches of different lengths runs: one call per session, or one call over
-  the keys zero-padded and masked (the same bits per row either way).
+  the keys zero-padded and masked (the same bits per row either way);
+* :meth:`Execution.attention` is the attention call a batched step makes (mlx-vlm's).
 
 The default does nothing beyond MLX's defaults, so it is right on every device. An optional
 acceleration layer (:mod:`mlx_voicechat_plugin.accel`) may give a model another policy at
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 
 import mlx.core as mx
+from mlx_vlm.models.base import scaled_dot_product_attention
 
 
 class Execution:
@@ -56,6 +58,12 @@ class Execution:
         tick); False: one padded, masked call over all rows (fewer kernel launches, for
         GPUs). Default: True when the default device is the CPU."""
         return mx.default_device() == mx.cpu
+
+    def attention(self, queries, keys, values, cache, scale: float, mask=None) -> mx.array:
+        """Attention of ``(B, n_heads, L, D)`` queries over ``(B, n_kv_heads, T, D)`` keys
+        and values (mlx-vlm ``scaled_dot_product_attention``'s arguments and result);
+        default: that function."""
+        return scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask)
 
     def compiled_by_default(self) -> bool:
         """True when ``MLX_VOICECHAT_COMPILE=auto`` (the default) should compile the

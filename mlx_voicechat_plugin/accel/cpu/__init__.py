@@ -14,7 +14,7 @@ off the families that are not faster on this machine (:mod:`.native.calibration`
 :mod:`.norms`               every RMS norm as the native kernel
 :mod:`.rnnt`                RNNT LSTM / joint against float32 ``(K, N)`` weight copies
 :mod:`.encoder`             the subsampling's 1x1 and depthwise ``Conv2d`` on two cores
-:mod:`.attention`           the offline encoder's attention with native products
+:mod:`.attention`           attention with native products (encoder offline, EAR-TTS, LLM)
 :mod:`.codec`               codec products on two cores, GELU table, ConvNeXt row chunks
 :mod:`.tts`                 EAR-TTS's quantiser search as one native kernel
 :mod:`.execution`           the runtime's side/worker streams (:class:`CpuExecution`)
@@ -52,7 +52,7 @@ def install(model) -> str:
     install_rnnt_shadows(stt.rnnt_decoder, stt.rnnt_joint)
     install_depthwise(model)
     install_subsampling_split(stt.perception.encoder.pre_encode)
-    install_exact_attention(stt.perception.encoder)
+    install_exact_attention(model)
     install_codec_layers(model)
     install_kernel_tts(model)
     model.execution = CpuExecution()

@@ -1,38 +1,115 @@
-"""The offline encoder's self-attention with exact native products.
+"""Attention with exact native products: the offline encoder's, and the streamed frame's.
 
-Upstream ``RelPositionMultiHeadAttention.__call__`` (the full-utterance path the offline turn
-uses) computes the position term ``q_v @ p^T`` and then ``mx.fast.scaled_dot_product_attention``,
-which MLX's CPU backend evaluates as its fallback graph: ``scale * q``, ``@ k^T``, plus the
-mask, a precise softmax, ``@ v``. Those batched products grow with the square of the input
-length (about 1.4 s of a 60 s turn on the medium demo checkpoint). :class:`ExactRelPositionMultiHeadAttention`
-computes the same operations in the same order with :func:`.native.matmul`
-for the three products (same bits, tests compare with upstream). The streaming step
-(``stream``) is upstream's.
+MLX's CPU backend evaluates ``mx.fast.scaled_dot_product_attention`` as its fallback graph:
+``scale * q``, ``@ k^T`` (grouped query heads unflattened onto their key heads), the mask,
+a precise softmax, ``@ v``. Its products run through the reference BLAS (float32) or a
+scalar loop (bfloat16), and they grow with the keys: the offline encoder's with the square
+of the input (about 1.4 s of a 60 s turn on the medium demo checkpoint), a streamed frame's
+language-model and EAR-TTS attention with the session's length (one position more per
+frame, 7,500 after 600 s). :func:`exact_attention` computes the same operations in the same
+order with :func:`.native.matmul` and :func:`.native.softmax` (same bits, tests compare
+with MLX), and the classes here
+put it into upstream's attention modules:
+
+* :class:`ExactRelPositionMultiHeadAttention`: the encoder's full-utterance path (the
+  offline turn; its streaming step, ``stream``, is upstream's);
+* :class:`ExactGemma3Attention`: the EAR-TTS backbone (a session stepped alone);
+* :class:`ExactNemotronHAttention`: the language model's attention blocks (a session
+  stepped alone).
+
+Batched steps attend through the CPU policy's :meth:`~.execution.CpuExecution.attention`,
+the same function.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_audio.stt.models.nemotron_asr.attention import RelPositionMultiHeadAttention
+from mlx_vlm.models.base import kv_sequence_length, scaled_dot_product_attention
+from mlx_vlm.models.cache import KVCache, RotatingKVCache
+from mlx_vlm.models.gemma3.language import Attention as Gemma3Attention
+from mlx_vlm.models.nemotron_h.language import NemotronHAttention
 
 from . import native
 
+#: KV caches whose keys and values are plain arrays (no quantized state to read).
+_PLAIN_CACHES = (KVCache, RotatingKVCache)
 
-def attention_fallback(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None) -> mx.array:
-    """MLX's CPU ``scaled_dot_product_attention`` (its fallback graph, no grouped heads) with
-    native products: ``softmax(scale * q @ k^T + mask, precise) @ v``.
+
+def exact_attention(queries, keys, values, cache, scale: float, mask=None, sinks=None) -> mx.array:
+    """mlx-vlm's ``scaled_dot_product_attention`` (``mlx_vlm.models.base``) as MLX's CPU
+    backend computes it, with native products (:func:`attention_fallback`).
 
     Args:
-        q, k, v: ``(B, H, L, D)`` of one floating dtype.
-        mask: additive mask broadcastable to ``(B, H, Lq, Lk)``, or None.
+        queries: ``(B, n_heads, L, D)``.
+        keys, values: ``(B, n_kv_heads, T, D)`` (``n_heads`` a multiple of ``n_kv_heads``).
+        cache: the layer's KV cache (or None): a plain ``KVCache`` / ``RotatingKVCache``.
+        scale: the attention scale.
+        mask: None, a boolean or additive array broadcastable to ``(B, n_heads, L, T)``, or
+            ``"causal"`` (a no-op for one query).
+        sinks: attention sinks (unsupported here).
+
+    Returns:
+        ``(B, n_heads, L, D)``, bit-identical to upstream's call on the CPU. Upstream's own
+        call runs instead when the native kernels are off, for quantized caches, sinks, a
+        causal mask over several queries, mixed dtypes or another device.
     """
-    q = mx.array(scale, dtype=q.dtype) * q
-    scores = native.matmul(q, k.swapaxes(-1, -2))
+    if isinstance(mask, str) and mask == "causal" and queries.shape[-2] == 1:
+        mask = None  # a single query sees every key
+    plain_cache = cache is None or type(cache) in _PLAIN_CACHES
+    if (
+        not plain_cache
+        or sinks is not None
+        or isinstance(mask, str)
+        or not native.active()
+        or mx.default_device() != mx.cpu
+        or len({queries.dtype, keys.dtype, values.dtype}) != 1
+        or queries.ndim != 4
+        or keys.shape[1] == 0
+        or queries.shape[1] % keys.shape[1]
+    ):
+        return scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     if mask is not None:
-        scores = scores + mx.broadcast_to(mask.astype(scores.dtype), scores.shape)
-    scores = mx.softmax(scores, axis=-1, precise=True)
-    return native.matmul(scores, v)
+        shape = (*queries.shape[:-1], keys.shape[-2])
+        mask = mask if mask.dtype == mx.bool_ else mask.astype(queries.dtype)
+        mask = mx.broadcast_to(mask, shape)
+    return attention_fallback(queries, keys, values, scale, mask)
+
+
+def attention_fallback(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None) -> mx.array:
+    """MLX's CPU ``scaled_dot_product_attention`` (its fallback graph) with native products:
+    ``softmax(scale * q @ k^T + mask, precise) @ v``.
+
+    Grouped query heads (``n_heads = r * n_kv_heads``): MLX unflattens the queries to
+    ``(B, n_kv_heads, r, L, D)`` against keys ``(B, n_kv_heads, 1, T, D)``; here the ``r * L``
+    query rows of a key head are one product against its keys, row for row the same sums.
+
+    Args:
+        q: ``(B, n_heads, L, D)``; k, v: ``(B, n_kv_heads, T, D)``; one floating dtype.
+        mask: None, or a boolean (True: attend) or additive mask of the dtype, broadcastable
+            to ``(B, n_heads, L, T)``.
+    """
+    batch, heads, length, _ = q.shape
+    kv_heads = k.shape[1]
+    q = mx.array(scale, dtype=q.dtype) * q
+    if heads != kv_heads:
+        q = q.reshape(batch, kv_heads, (heads // kv_heads) * length, q.shape[-1])
+    scores = native.matmul(q, k.swapaxes(-1, -2))
+    if heads != kv_heads:
+        scores = scores.reshape(batch, heads, length, scores.shape[-1])
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, dtype=scores.dtype))
+        else:
+            scores = scores + mx.broadcast_to(mask.astype(scores.dtype), scores.shape)
+    scores = native.softmax(scores)
+    if heads == kv_heads:
+        return native.matmul(scores, v)
+    out = native.matmul(scores.reshape(batch, kv_heads, -1, scores.shape[-1]), v)
+    return out.reshape(batch, heads, length, out.shape[-1])
 
 
 class ExactRelPositionMultiHeadAttention(RelPositionMultiHeadAttention):
@@ -65,12 +142,64 @@ class ExactRelPositionMultiHeadAttention(RelPositionMultiHeadAttention):
         return self.linear_out(o)
 
 
+class ExactGemma3Attention(Gemma3Attention):
+    """mlx-vlm's Gemma3 ``Attention`` (the EAR-TTS backbone) attending through
+    :func:`exact_attention`; everything else is upstream's ``__call__``."""
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any | None = None) -> mx.array:
+        B, L, _ = x.shape
+        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries = self.q_norm(queries)
+        keys = self.k_norm(keys)
+        if cache is not None:
+            queries = self.rope(queries, offset=cache.offset)
+            keys = self.rope(keys, offset=cache.offset)
+            keys, values = cache.update_and_fetch(keys, values)
+        else:
+            queries = self.rope(queries)
+            keys = self.rope(keys)
+        if mask is not None and isinstance(mask, mx.array):  # sliding window
+            key_len = kv_sequence_length(keys)
+            if mask.shape[-1] != key_len:
+                mask = mask[..., -key_len:]
+        output = exact_attention(queries, keys, values, cache, scale=self.scale, mask=mask)
+        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class ExactNemotronHAttention(NemotronHAttention):
+    """mlx-vlm's ``NemotronHAttention`` (the language model's attention blocks) attending
+    through :func:`exact_attention`; everything else is upstream's ``__call__``."""
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any | None = None) -> mx.array:
+        B, L, _ = x.shape
+        queries = self.q_proj(x).reshape(B, L, self.num_heads, -1).transpose(0, 2, 1, 3)
+        keys = self.k_proj(x).reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        values = self.v_proj(x).reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        output = exact_attention(queries, keys, values, cache, scale=self.scale, mask=mask)
+        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+#: Upstream attention classes and the exact classes that replace them.
+_EXACT_CLASSES = {
+    RelPositionMultiHeadAttention: ExactRelPositionMultiHeadAttention,
+    Gemma3Attention: ExactGemma3Attention,
+    NemotronHAttention: ExactNemotronHAttention,
+}
+
+
 def install_exact_attention(module: nn.Module) -> int:
-    """Swap every upstream ``RelPositionMultiHeadAttention`` under ``module`` (parameters
-    untouched); returns how many changed."""
+    """Swap every upstream attention module under ``module`` (:data:`_EXACT_CLASSES`; the
+    encoder's, EAR-TTS's and the language model's) for its exact class, parameters
+    untouched; returns how many changed."""
     changed = 0
     for _, child in module.named_modules():
-        if type(child) is RelPositionMultiHeadAttention:
-            child.__class__ = ExactRelPositionMultiHeadAttention
+        exact = _EXACT_CLASSES.get(type(child))
+        if exact is not None:
+            child.__class__ = exact
             changed += 1
     return changed

@@ -8,7 +8,9 @@
   already share the two cores;
 * a batched stage's two row groups ("lanes", :mod:`mlx_voicechat_plugin.runtime.stages.lanes`)
   are built one on the calling thread's default stream, one on its secondary stream
-  (:func:`.parallel.secondary_stream`), their products left whole (each lane has a core).
+  (:func:`.parallel.secondary_stream`), their products left whole (each lane has a core);
+* attention runs the CPU backend's own computation with native products
+  (:func:`.attention.exact_attention`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import mlx.core as mx
 
 from ...execution import Execution
+from .attention import exact_attention
 from .parallel import on_side_stream, secondary_stream, side_stream, split_enabled, unsplit
 
 
@@ -31,6 +34,10 @@ class CpuExecution(Execution):
 
     def worker(self):
         return mx.stream(side_stream())
+
+    def attention(self, queries, keys, values, cache, scale: float, mask=None) -> mx.array:
+        """:func:`.attention.exact_attention` (the same bits as the default, faster)."""
+        return exact_attention(queries, keys, values, cache, scale=scale, mask=mask)
 
     def lanes(self, rows: int) -> list:
         """Two lanes (default stream, secondary stream; products unsplit in both) when the

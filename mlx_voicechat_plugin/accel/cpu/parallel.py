@@ -248,9 +248,9 @@ def store_transposed(linear: nn.Linear) -> None:
     whose reference implementation runs its vectorisable loop form: 1.5-1.9x faster than
     the ``(N, K)`` layout for the few-row products of a streamed frame, with the same sums.
     The native kernel (:mod:`.native`) reads a row-major ``(K, N)`` weight in memory order
-    for one to four rows and copies contiguous runs of it into its panels otherwise; a
-    16-bit ``(N, K)`` weight makes it gather one element per weight row instead (2-16x
-    slower for a streamed frame's bfloat16 products, ``docs/performance.md``). MLX's own
+    for few rows and copies contiguous runs of it into its panels otherwise; a 16-bit
+    ``(N, K)`` weight is packed column by column instead (1.5-4x slower for a streamed
+    frame's bfloat16 products). MLX's own
     16-bit products convert the weight to float32 first, in either layout.
     """
     weight = linear["weight"]

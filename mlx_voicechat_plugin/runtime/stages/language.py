@@ -102,12 +102,13 @@ def _mamba(mixer, x: mx.array, entries: list) -> mx.array:
     return output
 
 
-def _attention(attention, x: mx.array, entries: list, per_session: bool) -> mx.array:
+def _attention(attention, x: mx.array, entries: list, execution) -> mx.array:
     """Upstream ``NemotronHAttention.__call__`` for ``B`` one-position rows: projections
     over all rows, each session's cache updated with its row (``entries[i]`` with row
     ``i``), then each row attends over its own session's keys on the CPU, or one call
     covers every row over the keys zero-padded to the longest and masked elsewhere
-    (:func:`~.rows.attend_sessions`; the same bits per row as its own call)."""
+    (:func:`~.rows.attend_sessions` with ``execution``'s attention call; the same bits per
+    row as its own call)."""
     sessions = len(entries)
     queries = attention.q_proj(x).reshape(sessions, 1, attention.num_heads, -1).transpose(0, 2, 1, 3)
     keys = attention.k_proj(x).reshape(sessions, 1, attention.num_key_value_heads, -1).transpose(0, 2, 1, 3)
@@ -115,7 +116,10 @@ def _attention(attention, x: mx.array, entries: list, per_session: bool) -> mx.a
     fetched = [
         cache.update_and_fetch(keys[row : row + 1], values[row : row + 1]) for row, cache in enumerate(entries)
     ]
-    output = attend_sessions(queries, fetched, entries, attention.scale, per_session=per_session)
+    output = attend_sessions(
+        queries, fetched, entries, attention.scale,
+        per_session=execution.attention_per_session(), attention=execution.attention,
+    )
     return attention.o_proj(output.transpose(0, 2, 1, 3).reshape(sessions, 1, -1))
 
 
@@ -144,7 +148,7 @@ def language_step(model, states: list, fused: mx.array) -> tuple[mx.array, mx.ar
             mx.concatenate([output.text_logits[:, -1:] for output in outputs], axis=0),
             mx.concatenate([output.function_logits[:, -1:] for output in outputs], axis=0),
         )
-    per_session = execution_of(model).attention_per_session()
+    execution = execution_of(model)
     hidden = fused
     index = 0
     for layer in llm.layers:
@@ -153,7 +157,7 @@ def language_step(model, states: list, fused: mx.array) -> tuple[mx.array, mx.ar
             mixed = _mamba(layer.mixer, normed, [cache[index] for cache in caches])
             index += 1
         elif layer.block_type == "*":
-            mixed = _attention(layer.mixer, normed, [cache[index] for cache in caches], per_session)
+            mixed = _attention(layer.mixer, normed, [cache[index] for cache in caches], execution)
             index += 1
         else:
             mixed = layer.mixer(normed)

@@ -65,7 +65,13 @@ def padded_keys(fetched: list[tuple[mx.array, mx.array]], rows: int = 1) -> tupl
 
 
 def attend_sessions(
-    q: mx.array, fetched: list, caches: list, scale: float, per_session: bool, rows: int = 1
+    q: mx.array,
+    fetched: list,
+    caches: list,
+    scale: float,
+    per_session: bool,
+    rows: int = 1,
+    attention=scaled_dot_product_attention,
 ) -> mx.array:
     """One-query attention of ``B`` sessions' rows, each session's against its own keys.
 
@@ -84,6 +90,8 @@ def attend_sessions(
             4.4 ms at ~300). False: one call over the keys zero-padded to the longest and
             masked (:func:`padded_keys`; fewer kernel launches, for GPUs).
         rows: rows per session (2 for a guidance pair).
+        attention: the attention call, with mlx-vlm ``scaled_dot_product_attention``'s
+            arguments (the model's policy's :meth:`~mlx_voicechat_plugin.execution.Execution.attention`).
 
     Returns:
         ``(B * rows, heads, 1, head_dim)``, each row bit-identical to its session's solo
@@ -91,9 +99,9 @@ def attend_sessions(
     """
     if not per_session:
         keys, values, mask = padded_keys(fetched, rows=rows)
-        return scaled_dot_product_attention(q, keys, values, caches[0], scale=scale, mask=mask)
+        return attention(q, keys, values, caches[0], scale=scale, mask=mask)
     outputs = [
-        scaled_dot_product_attention(q[rows * i : rows * (i + 1)], keys, values, cache, scale=scale, mask=None)
+        attention(q[rows * i : rows * (i + 1)], keys, values, cache, scale=scale, mask=None)
         for i, ((keys, values), cache) in enumerate(zip(fetched, caches))
     ]
     return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)

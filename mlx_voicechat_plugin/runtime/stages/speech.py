@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from mlx_vlm.models.base import (
-    create_attention_mask,
-    kv_sequence_length,
-    scaled_dot_product_attention,
-)
+from mlx_vlm.models.base import create_attention_mask, kv_sequence_length
 from mlx_vlm.models.gemma3.language import clip_residual
 
-from ...execution import execution_of
+from ...execution import DEFAULT, Execution, execution_of
 from ..timeline import tts_prompt
 from .language import cache_arrays
 from .rows import attend_sessions, join_guided
@@ -85,7 +81,7 @@ def _groups(caches: list, layer_index: int, pattern: int) -> list[list[int]]:
     return list(groups.values())
 
 
-def _attention(layer, x, caches: list, layer_index: int, window: int, pattern: int, per_session: bool):
+def _attention(layer, x, caches: list, layer_index: int, window: int, pattern: int, execution: Execution):
     """The block's self-attention (mlx-vlm Gemma3 ``Attention.__call__``) for ``2B`` guided
     rows ``[cond_0 .. cond_{B-1}, uncond_0 .. uncond_{B-1}]`` ``(2B, 1, d)`` -> ``(2B, 1, d)``.
 
@@ -106,7 +102,7 @@ def _attention(layer, x, caches: list, layer_index: int, window: int, pattern: i
         else:
             mask = create_attention_mask(x[:1], masker, window_size=window)
         if mask is not None:
-            return _attention_grouped(layer, x, caches, layer_index, window, pattern)
+            return _attention_grouped(layer, x, caches, layer_index, window, pattern, execution)
     attention = layer.self_attn
     sessions = len(caches)
     order = mx.array([row for index in range(sessions) for row in (index, sessions + index)])
@@ -126,14 +122,16 @@ def _attention(layer, x, caches: list, layer_index: int, window: int, pattern: i
     ]
     output = attend_sessions(
         q, fetched, [session_caches[layer_index] for session_caches in caches], attention.scale,
-        per_session=per_session, rows=2,
+        per_session=execution.attention_per_session(), rows=2, attention=execution.attention,
     )
     output = output.transpose(0, 2, 1, 3).reshape(2 * sessions, 1, -1)
     back = mx.array([2 * index + half for half in range(2) for index in range(sessions)])
     return attention.o_proj(output[back])
 
 
-def _attention_grouped(layer, x, caches: list, layer_index: int, window: int, pattern: int, per_session: bool = True):
+def _attention_grouped(
+    layer, x, caches: list, layer_index: int, window: int, pattern: int, execution: Execution = DEFAULT
+):
     """The block's self-attention (mlx-vlm Gemma3 ``Attention.__call__``) for ``2B`` guided
     rows when some session's attention needs a mask (a sliding window past its length):
     projections, query/key norms over all rows; per group of sessions at the same
@@ -141,7 +139,7 @@ def _attention_grouped(layer, x, caches: list, layer_index: int, window: int, pa
     embedding, one attention call over the group's rows against each session's own cache
     (updated per session), the mask built as for the group's first session. Every row is
     computed as in its session's solo call (row-wise norms and rotary embedding, attention
-    per batch item). ``per_session`` is :func:`_attention`'s (each group is one call here)."""
+    per batch item). ``execution``'s attention makes each group's call."""
     attention = layer.self_attn
     sessions = len(caches)
     q = attention.q_proj(x).reshape(2 * sessions, 1, attention.n_heads, -1).transpose(0, 2, 1, 3)
@@ -188,7 +186,7 @@ def _attention_grouped(layer, x, caches: list, layer_index: int, window: int, pa
             key_len = kv_sequence_length(kg)
             if mask.shape[-1] != key_len:
                 mask = mask[..., -key_len:]
-        output = scaled_dot_product_attention(qg, kg, vg, first[layer_index], scale=attention.scale, mask=mask)
+        output = execution.attention(qg, kg, vg, first[layer_index], scale=attention.scale, mask=mask)
         output = output.transpose(0, 2, 1, 3).reshape(2 * count, 1, -1)
         if count == sessions:
             whole = output
@@ -200,17 +198,18 @@ def _attention_grouped(layer, x, caches: list, layer_index: int, window: int, pa
     return attention.o_proj(whole)
 
 
-def backbone_step(backbone, inputs: mx.array, caches: list[list], per_session: bool = True) -> mx.array:
+def backbone_step(backbone, inputs: mx.array, caches: list[list], execution: Execution = DEFAULT) -> mx.array:
     """mlx-vlm ``Gemma3Model.__call__`` (inputs_embeds, no scaling) for one position of
     ``B`` sessions: ``inputs`` ``(2B, 1, d)`` guided rows -> hidden ``(2B, 1, d)``;
-    ``per_session``: :meth:`~mlx_voicechat_plugin.execution.Execution.attention_per_session`."""
+    ``execution``: the model's policy (its attention call and
+    :meth:`~mlx_voicechat_plugin.execution.Execution.attention_per_session`)."""
     if backbone.scale_inputs_embeds:
         raise ValueError("the EAR-TTS backbone does not scale its input embeddings")
     h = inputs
     pattern = backbone.sliding_window_pattern
     for index, layer in enumerate(backbone.layers):
         x = clip_residual(h)
-        r = _attention(layer, layer.input_layernorm(x), caches, index, backbone.window_size, pattern, per_session)
+        r = _attention(layer, layer.input_layernorm(x), caches, index, backbone.window_size, pattern, execution)
         h = layer.post_attention_layernorm(r)
         h = clip_residual(x + h)
         r = layer.mlp(layer.pre_feedforward_layernorm(h))
@@ -257,7 +256,7 @@ def speech_step(model, states: list, text_ids: list[int], noise: list, clock=Non
     if len(states) == 1:  # upstream's own call
         hidden = tts.backbone(None, inputs_embeds=inputs, cache=states[0].cache)
     else:
-        hidden = backbone_step(tts.backbone, inputs, [s.cache for s in states], execution_of(model).attention_per_session())
+        hidden = backbone_step(tts.backbone, inputs, [s.cache for s in states], execution_of(model))
     if clock is not None:
         clock.mark("tts.backbone", hidden)
     codes = guided_codes(tts)(hidden, noise)

@@ -3,7 +3,7 @@
 Each kernel computes what one MLX operation computes on the CPU, in the same order and with
 the same roundings, so results are bit-identical; only faster. The model calls the
 wrappers here: :func:`matmul` / :func:`linear`, :func:`depthwise_conv1d`, :func:`rms_norm`,
-:func:`rvq_encode`, :func:`top_p_keep`, :func:`lookup16` and :func:`quantized_matmul`.
+:func:`softmax`, :func:`rvq_encode`, :func:`top_p_keep`, :func:`lookup16` and :func:`quantized_matmul`.
 
 **Products.** MLX's CPU backend computes float32 products with the reference BLAS ``sgemm`` and
 bfloat16/float16 products with its own scalar ``simd_gemm``. Both give each output the
@@ -21,8 +21,9 @@ where the hardware prefetchers stop; 1.1-2.6x faster than either other order for
 tick's rows, ``docs/performance.md``). A bfloat16 weight (or row) is widened to float32 a vector at a time as it is
 read (the 16 bits shifted into the upper half: exact); so float32 rows against the
 bfloat16 copy of a pinned float32 weight (:func:`..parallel.narrow_weight`) give the
-float32 product's bits from half the bytes. A 16-bit weight held ``(N, K)`` still works,
-one element gathered per weight row (2-16x slower for a streamed frame's products).
+float32 product's bits from half the bytes. A matrix whose columns lie in memory (a weight
+held ``(N, K)``, attention's keys) is packed a panel at a time, each column read in order
+(a 16-bit weight held so is 1.5-4x slower for a streamed frame's products).
 
 **Depthwise convolutions** (``nn.Conv1d`` with ``groups`` equal to the channels: the codec's
 ConvNeXt blocks, the conformer's convolution module, the Mamba layers): MLX sums the taps in
@@ -37,6 +38,13 @@ roundings and sums in the same order, vectorised across outputs (bits 2/4/8, gro
 32/64/128; about 4-5x faster for one float32 row, 13x for a bfloat16 one, 12-55x for 8 to
 750 rows, ``docs/performance.md``).
 It has its own load-time self-test: a mismatch switches off only this family.
+
+**Softmax** (attention's, :mod:`~mlx_voicechat_plugin.accel.cpu.attention`): MLX's CPU
+``Softmax`` runs one element at a time off Apple silicon, each exponential MLX's own
+polynomial with its fused multiply-adds called through the C library; the kernel keeps the
+maximum and the float32 sum in MLX's order and computes the same exponentials a vector at a
+time (5-10x faster on rows of thousands of keys with AVX-512 or AVX2). It has its own
+load-time self-test, as the quantized product has.
 
 **Table lookups** (the codec's bfloat16 GELU, :mod:`~mlx_voicechat_plugin.accel.cpu.activations`):
 ``table[bits(x)]`` as a contiguous loop (about 15x faster than MLX's general gather).
@@ -74,7 +82,9 @@ NATIVE_ENV = "MLX_VOICECHAT_NATIVE"
 
 _SUPPORTED = (mx.float32, mx.bfloat16, mx.float16)
 _lock = threading.Lock()
-_state: dict = {"module": None, "reason": None, "tried": False, "decisions": {}, "quantized_off": None}
+_state: dict = {
+    "module": None, "reason": None, "tried": False, "decisions": {}, "quantized_off": None, "softmax_off": None
+}
 _log = logging.getLogger(__name__)
 
 
@@ -130,6 +140,22 @@ def _self_test_quantized(module) -> None:
                     raise RuntimeError(f"quantized self-test mismatch for {dtype} {bits}-bit, group {group}")
 
 
+def _self_test_softmax(module) -> None:
+    """Compare the softmax kernel with ``mx.softmax(..., precise=True)`` (MLX's exponential or
+    loop order may change between versions, or on another CPU); raise on any bit difference."""
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    with mx.stream(mx.cpu):
+        for dtype in _SUPPORTED:
+            for shape in ((3, 1), (2, 37), (4, 1030)):
+                x = mx.array((rng.standard_normal(shape) * 30).astype(np.float32)).astype(dtype)
+                want = mx.softmax(x, axis=-1, precise=True)
+                have = module.softmax(x)
+                if have.dtype != want.dtype or not mx.array_equal(want, have).item():
+                    raise RuntimeError(f"softmax self-test mismatch for {dtype} {shape}")
+
+
 def _load():
     with _lock:
         if _state["tried"]:
@@ -157,6 +183,11 @@ def _load():
             _state["quantized_off"] = f"{type(error).__name__}: {error}"
             _log.warning("mlx-voicechat-plugin: native quantized product off (%s); using "
                          "mx.quantized_matmul", _state["quantized_off"])
+        try:
+            _self_test_softmax(module)
+        except Exception as error:  # noqa: BLE001 - only this family falls back to MLX
+            _state["softmax_off"] = f"{type(error).__name__}: {error}"
+            _log.warning("mlx-voicechat-plugin: native softmax off (%s); using mx.softmax", _state["softmax_off"])
         _state["module"] = module
         return module
 
@@ -180,7 +211,7 @@ def reset() -> None:
     """Forget the load attempt and the measured decisions (tests; after changing
     :data:`NATIVE_ENV`)."""
     with _lock:
-        _state.update(module=None, reason=None, tried=False, decisions={}, quantized_off=None)
+        _state.update(module=None, reason=None, tried=False, decisions={}, quantized_off=None, softmax_off=None)
 
 
 def calibrate(workloads, refresh: bool = False) -> dict:
@@ -222,6 +253,8 @@ def _use(kernel: str, dtype: mx.Dtype | None, rows: int | None) -> bool:
     if not active():
         return False
     if kernel == "quantized_matmul" and _state["quantized_off"]:
+        return False
+    if kernel == "softmax" and _state["softmax_off"]:
         return False
     if not _state["decisions"]:
         return True
@@ -308,6 +341,24 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     ):
         return _state["module"].rms_norm(x, weight, eps)
     return mx.fast.rms_norm(x, weight, eps)
+
+
+def softmax(x: mx.array) -> mx.array:
+    """``mx.softmax(x, axis=-1, precise=True)``, bit for bit: MLX's CPU loop (the maximum and
+    the float32 sum in order, MLX's own exponential, ``1 / sum`` times each) with the
+    exponentials a vector at a time; 5-10x faster on attention rows of thousands of keys
+    with AVX-512 or AVX2 (``docs/performance.md``).
+
+    Args:
+        x: ``(..., n)`` float32, bfloat16 or float16.
+
+    Returns:
+        ``x``'s shape and dtype; MLX's own operation when the kernel is off (self-test,
+        self-measurement, ``MLX_VOICECHAT_NATIVE=0``) or for other dtypes.
+    """
+    if x.ndim >= 1 and x.dtype in _SUPPORTED and _use("softmax", x.dtype, _rows(x)):
+        return _state["module"].softmax(x)
+    return mx.softmax(x, axis=-1, precise=True)
 
 
 def rvq_encode(

@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if _state["quantized_off"]:
         print(f"quantized product: off (self-test: {_state['quantized_off']}); mx.quantized_matmul runs")
+    if _state["softmax_off"]:
+        print(f"softmax: off (self-test: {_state['softmax_off']}); mx.softmax runs")
     if not measuring_enabled():
         print("self-measurement: off (MLX_VOICECHAT_NATIVE_MEASURE=0): every kernel family on")
         return 0

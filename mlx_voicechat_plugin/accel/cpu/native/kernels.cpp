@@ -26,6 +26,9 @@
 //
 // rms_norm: mx.fast.rms_norm on the CPU (MLX runs its fallback graph there).
 //
+// softmax: mx.softmax(x, -1, precise=True) on the CPU, MLX's scalar loop with the
+// exponentials a vector at a time.
+//
 // top_p_keep: the mask of EAR-TTS's top-p filter (argsort, reverse cumulative sum, scatter).
 //
 // quantized_matmul: mx.quantized_matmul (affine, transposed weight, bits 2/4/8, group sizes
@@ -38,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <type_traits>
@@ -89,6 +93,7 @@ constexpr int kPanel = 2 * kLanes;  // output columns per panel
 constexpr int kRows = 4;            // output rows per register block
 constexpr long kPrefetchRows = 16;  // weight rows prefetched ahead while packing a panel
 constexpr int kOuterRows = 4;       // at most this many rows read a row-major weight in order
+constexpr long kPackSpan = 64;      // elements of a contiguous column packed per pass
 // At most this many rows (from 3) read a row-major weight in place, 2 accumulators per row
 // in registers (`in_place`): on AVX-512 (32 registers) 1.1-2.6x faster than the order of
 // `outer_rows` and than packed panels for a batched tick's 3-8 rows; with AVX2's 16
@@ -104,6 +109,8 @@ typedef float vf __attribute__((vector_size(kLanes * sizeof(float)), aligned(4))
 // Unaligned, aliasing view for loads and stores: a memcpy here made GCC keep the
 // accumulators on the stack (and call memcpy) for 8-float vectors.
 typedef float vf_unaligned __attribute__((vector_size(kLanes * sizeof(float)), aligned(4), may_alias));
+
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 inline vf load(const float* p) {
   return *reinterpret_cast<const vf_unaligned*>(p);
@@ -384,6 +391,21 @@ void product(const TA* a, const TB* b, long M, long N, long K, long sbk, long sb
     const int width = static_cast<int>(std::min<long>(kPanel, N - j));
     // Pack the panel (also a row-major float32 weight's: read in place, its rows are far
     // apart and each row block would wait on memory again; packed, it stays in L1).
+    if (sbk == 1 && sbn != 1) {
+      // the columns lie in memory (a transposed (N, K) matrix, e.g. attention's keys): each
+      // is read in order, kPackSpan of its elements at a time so that the panel rows written
+      // stay in the L1 cache (2x faster than gathering a panel row at a time)
+      for (long k0 = 0; k0 < K; k0 += kPackSpan) {
+        const long k1 = std::min(K, k0 + kPackSpan);
+        for (int t = 0; t < width; ++t) {
+          const T* src = b + (j + t) * sbn;
+          for (long k = k0; k < k1; ++k) panel[k * kPanel + t] = widen(src[k]);
+        }
+        for (long k = k0; k < k1; ++k) {
+          for (int t = width; t < kPanel; ++t) panel[k * kPanel + t] = 0.0f;
+        }
+      }
+    } else
     for (long k = 0; k < K; ++k) {
       const T* src = b + k * sbk + j * sbn;
       float* dst = panel + k * kPanel;
@@ -1042,6 +1064,139 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
   }
   mx::Stream stream = cpu_stream("rms_norm");
   return mx::array(x.shape(), x.dtype(), std::make_shared<RMSNormKernel>(stream, eps), {x, weight});
+}
+
+// ---------------------------------------------------------------------------------------
+// softmax
+
+// Per lane, MLX's CPU exp (mlx/backend/cpu/simd/math.h: exp(x) = 2^y, y = x * log2(e) split
+// into an integer part, shifted into the exponent, and a fraction, the Cephes polynomial of
+// six fused multiply-adds; NaN kept, above 88 infinity, below -88 zero), a vector at a time.
+// MLX adds 0.5 in double before the floor; for the arguments whose result is kept
+// (|x| <= 88, so |x * log2(e)| < 127) the float sum is exact, so the floor is the same.
+inline vf floor_lanes(vf x) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#elif defined(__AVX2__)
+  return (vf)_mm256_floor_ps((__m256)x);
+#else
+  vf r;
+  for (int lane = 0; lane < kLanes; ++lane) r[lane] = std::floor(x[lane]);
+  return r;
+#endif
+}
+
+inline vf fma_lanes(vf a, vf b, float c) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, _mm512_set1_ps(c));
+#elif defined(__AVX2__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, _mm256_set1_ps(c));
+#else
+  vf r;
+  for (int lane = 0; lane < kLanes; ++lane) r[lane] = std::fma(a[lane], b[lane], c);
+  return r;
+#endif
+}
+
+inline vf mlx_exp(vf x_init) {
+  const vf x0 = x_init * 1.442695f;
+  const vf ipart = floor_lanes(x0 + 0.5f);
+  const vf fpart = x0 - ipart;
+  vf x = broadcast(1.535336188319500e-4f);
+  x = fma_lanes(x, fpart, 1.339887440266574e-3f);
+  x = fma_lanes(x, fpart, 9.618437357674640e-3f);
+  x = fma_lanes(x, fpart, 5.550332471162809e-2f);
+  x = fma_lanes(x, fpart, 2.402264791363012e-1f);
+  x = fma_lanes(x, fpart, 6.931472028550421e-1f);
+  x = fma_lanes(x, fpart, 1.000000000000000f);
+  const vi epart = (__builtin_convertvector(ipart, vi) + 127) << 23;
+  vf result = (vf)epart * x;
+  result = x_init != x_init ? x_init : result;
+  result = x_init > 88.0f ? broadcast(std::numeric_limits<float>::infinity()) : result;
+  result = x_init < -88.0f ? vf{} : result;
+  return result;
+}
+
+inline float mlx_exp(float x) {
+  vf v = vf{};
+  v[0] = x;
+  return mlx_exp(v)[0];
+}
+
+// mx.softmax(x, axis=-1, precise=True) on the CPU (MLX's Softmax with a float32
+// accumulator; float32 rows the same with precise=False): per row the maximum taken in order
+// as MLX's scalar `maximum(value, running)` takes it (a NaN value becomes the maximum), the
+// exponentials e = exp(x - maximum) (computed a vector at a time, each lane as MLX's), their
+// sum in order in float32, normalizer = 1 / sum, and T(e * normalizer). `exps`: row scratch.
+template <typename T>
+void softmax_rows(const T* x, T* y, long rows, long n, float* exps) {
+  for (long r = 0; r < rows; ++r) {
+    const T* xr = x + r * n;
+    float maximum = -std::numeric_limits<float>::infinity();
+    for (long i = 0; i < n; ++i) {
+      const float value = widen(xr[i]);
+      maximum = std::isnan(value) ? value : (value > maximum ? value : maximum);
+    }
+    long i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      vf v;
+      for (int lane = 0; lane < kLanes; ++lane) v[lane] = widen(xr[i + lane]);
+      store(exps + i, mlx_exp(v - maximum));
+    }
+    for (; i < n; ++i) exps[i] = mlx_exp(widen(xr[i]) - maximum);
+    float sum = 0.0f;
+    for (long k = 0; k < n; ++k) sum = sum + exps[k];
+    const float normalizer = 1.0f / sum;
+    T* yr = y + r * n;
+    for (long k = 0; k < n; ++k) yr[k] = T(exps[k] * normalizer);
+  }
+}
+
+class SoftmaxKernel : public ReferenceKernel {
+ public:
+  explicit SoftmaxKernel(mx::Stream stream) : ReferenceKernel(stream, "softmax") {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    encode(inputs, out, [x = mx::array::unsafe_weak_copy(x), out = mx::array::unsafe_weak_copy(out)]() mutable {
+      const long n = x.shape(-1);
+      if (out.size() == 0 || n == 0) return;
+      const long rows = static_cast<long>(out.size()) / n;
+      float* exps = scratch(kRowsScratch, static_cast<size_t>(n));
+      dispatch_float(out.dtype(), "softmax", [&](auto tag) {
+        using T = decltype(tag);
+        softmax_rows<T>(row_contiguous<T>(x, 0), out.data<T>(), rows, n, exps);
+      });
+    });
+  }
+
+  const char* name() const override {
+    return "SoftmaxKernel";
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+
+  Reference reference() override {
+    const auto s = stream();
+    return [s](const std::vector<mx::array>& in) {
+      return std::vector<mx::array>{mx::softmax(in[0], std::vector<int>{-1}, true, s)};
+    };
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
+mx::array softmax(const mx::array& x) {
+  if (x.ndim() < 1 || (x.dtype() != mx::float32 && x.dtype() != mx::bfloat16 && x.dtype() != mx::float16)) {
+    throw std::invalid_argument("softmax: x must be a floating array of at least one dimension");
+  }
+  mx::Stream stream = cpu_stream("softmax");
+  return mx::array(x.shape(), x.dtype(), std::make_shared<SoftmaxKernel>(stream), {x});
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1825,6 +1980,8 @@ NB_MODULE(_kernels, m) {
         "transpose); bit-identical to\n"
         "mx.matmul(a, b) (float32: (a @ b) + bias; bfloat16/float16: mx.addmm(bias, a, b))\n"
         "on the CPU.");
+  m.def("softmax", &softmax, nb::arg("x"),
+        "mx.softmax(x, axis=-1, precise=True) on the CPU (float32, bfloat16, float16).");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"),
         "mx.fast.rms_norm(x, weight, eps) on the CPU, x and weight of one dtype.");
   m.def("rvq_encode", &rvq_encode, nb::arg("residual"), nb::arg("norms"), nb::arg("books"),
