@@ -22,8 +22,9 @@ tick's rows, ``docs/performance.md``). A bfloat16 weight (or row) is widened to 
 read (the 16 bits shifted into the upper half: exact); so float32 rows against the
 bfloat16 copy of a pinned float32 weight (:func:`..parallel.narrow_weight`) give the
 float32 product's bits from half the bytes. A matrix whose columns lie in memory (a weight
-held ``(N, K)``, attention's keys) is packed a panel at a time, each column read in order
-(a 16-bit weight held so is 1.5-4x slower for a streamed frame's products).
+held ``(N, K)``, attention's keys) is packed into panels by tiles transposed in registers
+(AVX-512, AVX2) or column by column (a 16-bit weight held so is 1.3-2.6x slower for a
+streamed frame's products).
 
 **Depthwise convolutions** (``nn.Conv1d`` with ``groups`` equal to the channels: the codec's
 ConvNeXt blocks, the conformer's convolution module, the Mamba layers): MLX sums the taps in

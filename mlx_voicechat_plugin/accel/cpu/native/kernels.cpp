@@ -313,6 +313,73 @@ void in_place(const float* a, const TB* b, long N, long K, long ldb, float* out)
   }
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+// A kLanes x kLanes tile transposed in registers: rows[i][k] -> rows[k][i] (data moves only).
+inline void transpose_tile(vf rows[kLanes]) {
+#if defined(__AVX512F__)
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps((__m512)rows[2 * i], (__m512)rows[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps((__m512)rows[2 * i], (__m512)rows[2 * i + 1]);
+  }
+  // u[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i + 3
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 low02 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);    // lanes 0, 2 of rows 0-3, 4-7
+    const __m512 low13 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);    // lanes 1, 3
+    const __m512 high02 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 high13 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
+    rows[c] = (vf)_mm512_shuffle_f32x4(low02, high02, 0x88);
+    rows[8 + c] = (vf)_mm512_shuffle_f32x4(low02, high02, 0xdd);
+    rows[4 + c] = (vf)_mm512_shuffle_f32x4(low13, high13, 0x88);
+    rows[12 + c] = (vf)_mm512_shuffle_f32x4(low13, high13, 0xdd);
+  }
+#else
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps((__m256)rows[2 * i], (__m256)rows[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps((__m256)rows[2 * i], (__m256)rows[2 * i + 1]);
+  }
+  // u[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i + 3
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    rows[c] = (vf)_mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    rows[4 + c] = (vf)_mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+#endif
+}
+
+// A panel (kPanel columns, k in [0, K), K a multiple of kLanes) of a matrix whose columns
+// lie in memory (column t at b + t * ldn, contiguous over k), as the panel kernel packs it:
+// kLanes x kLanes tiles read a column vector at a time (a bfloat16 one widened), transposed
+// in registers and stored a panel row vector at a time.
+template <typename TB>
+void pack_tiles(const TB* b, long ldn, long K, float* panel) {
+  // the next panel's columns, into L2 while this one is packed (a prefetch never faults)
+  for (int t = 0; t < kPanel; ++t) prefetch_row(b + (kPanel + t) * ldn, sizeof(TB) * K);
+  for (long k0 = 0; k0 < K; k0 += kLanes) {
+    for (int t0 = 0; t0 < kPanel; t0 += kLanes) {
+      vf rows[kLanes];
+      for (int i = 0; i < kLanes; ++i) rows[i] = load_widened(b + (t0 + i) * ldn + k0);
+      transpose_tile(rows);
+      for (int k = 0; k < kLanes; ++k) store(panel + (k0 + k) * kPanel + t0, rows[k]);
+    }
+  }
+}
+#endif
+
 // A row-contiguous copy of any strided array (row-major logical order), in per-thread
 // scratch; the array itself when it is already row-contiguous.
 template <typename T>
@@ -392,10 +459,20 @@ void product(const TA* a, const TB* b, long M, long N, long K, long sbk, long sb
     // Pack the panel (also a row-major float32 weight's: read in place, its rows are far
     // apart and each row block would wait on memory again; packed, it stays in L1).
     if (sbk == 1 && sbn != 1) {
-      // the columns lie in memory (a transposed (N, K) matrix, e.g. attention's keys): each
-      // is read in order, kPackSpan of its elements at a time so that the panel rows written
-      // stay in the L1 cache (2x faster than gathering a panel row at a time)
-      for (long k0 = 0; k0 < K; k0 += kPackSpan) {
+      // the columns lie in memory (a transposed (N, K) matrix, e.g. attention's keys): whole
+      // panels by tiles transposed in registers; otherwise (and the last k) each column read
+      // in order, kPackSpan of its elements at a time so that the panel rows written stay in
+      // the L1 cache (2x faster than gathering a panel row at a time, the tiles 1.5x more)
+      long tiled = 0;  // leading k packed by whole kLanes x kLanes tiles
+#if defined(__AVX512F__) || defined(__AVX2__)
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, mx::bfloat16_t>) {
+        if (width == kPanel) {
+          tiled = K - K % kLanes;
+          pack_tiles(b + j * sbn, sbn, tiled, panel);
+        }
+      }
+#endif
+      for (long k0 = tiled; k0 < K; k0 += kPackSpan) {
         const long k1 = std::min(K, k0 + kPackSpan);
         for (int t = 0; t < width; ++t) {
           const T* src = b + (j + t) * sbn;
