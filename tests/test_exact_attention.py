@@ -235,3 +235,37 @@ class _Spy:
         if name == "softmax":
             self._calls.append(name)
         return getattr(self._module, name)
+
+
+def test_a_loaded_cpu_model_attends_exactly_alone_and_batched(models, speech_16k, monkeypatch):
+    """On a CPU model the CPU layer swapped the EAR-TTS and language-model attention classes
+    (a session stepped alone) and its policy attends for batched ticks: both reach
+    :func:`exact_attention`."""
+    from mlx_voicechat_plugin.runtime.batch import BatchedEngine
+
+    model, tokenizer, _, _ = models("tiny")
+    assert all(type(layer.self_attn) is exact.ExactGemma3Attention for layer in model.tts_model.tts_model.backbone.layers)
+    attention_blocks = [layer.mixer for layer in model.stt_model.llm.layers if layer.block_type == "*"]
+    assert attention_blocks and all(type(block) is exact.ExactNemotronHAttention for block in attention_blocks)
+    assert isinstance(model.execution, CpuExecution)
+    calls = []
+    original = exact.exact_attention
+    monkeypatch.setattr(exact, "exact_attention", lambda *a, **kw: calls.append(a[0].shape[0]) or original(*a, **kw))
+    frame = speech_16k[:1280]
+    session = model.create_streaming_session(processor=tokenizer, seed=0)
+    calls.clear()
+    session.push_audio(frame)
+    assert calls  # the solo step: the swapped classes
+    policy = []
+    attend = model.execution.attention
+    monkeypatch.setattr(model.execution, "attention", lambda *a, **kw: policy.append(a[0].shape[0]) or attend(*a, **kw))
+    engine = BatchedEngine(model, tokenizer)
+    ids = [engine.open(incremental_prefill=False), engine.open(incremental_prefill=False)]
+    for _ in range(2):  # the first frame is each session's first position: no EAR-TTS step
+        for session_id in ids:
+            engine.push_audio(session_id, frame)
+        policy.clear()
+        results = engine.tick()
+        assert all(result.error is None for result in results.values())
+    # the batched step: every EAR-TTS layer of both sessions through the policy
+    assert len(policy) >= 2 * len(model.tts_model.tts_model.backbone.layers)

@@ -8,8 +8,7 @@ of the input (about 1.4 s of a 60 s turn on the medium demo checkpoint), a strea
 language-model and EAR-TTS attention with the session's length (one position more per
 frame, 7,500 after 600 s). :func:`exact_attention` computes the same operations in the same
 order with :func:`.native.matmul` and :func:`.native.softmax` (same bits, tests compare
-with MLX), and the classes here
-put it into upstream's attention modules:
+with MLX), and the classes here put it into upstream's attention modules:
 
 * :class:`ExactRelPositionMultiHeadAttention`: the encoder's full-utterance path (the
   offline turn; its streaming step, ``stream``, is upstream's);
