@@ -71,10 +71,6 @@ def exact_attention(queries, keys, values, cache, scale: float, mask=None, sinks
         or queries.shape[1] % keys.shape[1]
     ):
         return scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-    if mask is not None:
-        shape = (*queries.shape[:-1], keys.shape[-2])
-        mask = mask if mask.dtype == mx.bool_ else mask.astype(queries.dtype)
-        mask = mx.broadcast_to(mask, shape)
     return attention_fallback(queries, keys, values, scale, mask)
 
 

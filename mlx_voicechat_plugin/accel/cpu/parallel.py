@@ -250,8 +250,8 @@ def store_transposed(linear: nn.Linear) -> None:
     The native kernel (:mod:`.native`) reads a row-major ``(K, N)`` weight in memory order
     for few rows and copies contiguous runs of it into its panels otherwise; a 16-bit
     ``(N, K)`` weight is packed by transposing it instead (1.3-2.6x slower for a streamed
-    frame's bfloat16 products). MLX's own
-    16-bit products convert the weight to float32 first, in either layout.
+    frame's bfloat16 products). MLX's own 16-bit products convert the weight to float32
+    first, in either layout.
     """
     weight = linear["weight"]
     if weight.dtype in TRANSPOSED_DTYPES and weight.ndim == 2:

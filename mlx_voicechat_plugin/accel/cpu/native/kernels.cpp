@@ -159,23 +159,19 @@ inline float widen(T x) {
 typedef uint16_t vh_unaligned __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2), may_alias));
 typedef uint32_t vw __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
-inline void widen_bf16(const mx::bfloat16_t* src, float* dst, long count) {
-  static_assert(sizeof(mx::bfloat16_t) == sizeof(uint16_t), "bfloat16 is 16 bits");
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  long t = 0;
-  for (; t + kLanes <= count; t += kLanes) {
-    const vw wide = __builtin_convertvector(*reinterpret_cast<const vh_unaligned*>(bits + t), vw) << 16;
-    store(dst + t, (vf)wide);
-  }
-  for (; t < count; ++t) dst[t] = widen(src[t]);
-}
-
 // kLanes weights at `p` as float32: a load, or for bfloat16 a widening load (exact).
 inline vf load_widened(const float* p) { return load(p); }
 
 inline vf load_widened(const mx::bfloat16_t* p) {
+  static_assert(sizeof(mx::bfloat16_t) == sizeof(uint16_t), "bfloat16 is 16 bits");
   const vw wide = __builtin_convertvector(*reinterpret_cast<const vh_unaligned*>(p), vw) << 16;
   return (vf)wide;
+}
+
+inline void widen_bf16(const mx::bfloat16_t* src, float* dst, long count) {
+  long t = 0;
+  for (; t + kLanes <= count; t += kLanes) store(dst + t, load_widened(src + t));
+  for (; t < count; ++t) dst[t] = widen(src[t]);
 }
 
 // R rows of A (float32, row stride K) against one packed K x kPanel panel.
@@ -263,6 +259,24 @@ inline float* scratch(Scratch slot, size_t count) {
   return buffer.data();
 }
 
+// A panel of `width` (<= kPanel) columns of a row-major (K, N) weight (row stride ldb; a
+// bfloat16 one widened), the rest of each panel row zero: its rows are far apart and each
+// row block would wait on memory again, so the rows ahead are prefetched.
+template <typename T>
+void pack_rows(const T* b, long ldb, long K, int width, float* panel) {
+  for (long k = 0; k < K; ++k) {
+    const T* src = b + k * ldb;
+    float* dst = panel + k * kPanel;
+    if (k + kPrefetchRows < K) prefetch_row(src + kPrefetchRows * ldb, sizeof(T) * width);
+    if constexpr (std::is_same_v<T, mx::bfloat16_t>) {
+      widen_bf16(src, dst, width);
+    } else {
+      for (int t = 0; t < width; ++t) dst[t] = widen(src[t]);
+    }
+    for (int t = width; t < kPanel; ++t) dst[t] = 0.0f;
+  }
+}
+
 // The panel kernel's sums (`block`) for R rows of A (float32, row stride K) against a
 // row-major (K, N) weight read in place (row stride ldb; a bfloat16 weight widened as it
 // is read): with a single block of rows every panel is read once, so packing it would only
@@ -305,10 +319,7 @@ void in_place(const float* a, const TB* b, long N, long K, long ldb, float* out)
   if (j < N) {
     const int width = static_cast<int>(N - j);
     float* const panel = scratch(kPanelScratch, static_cast<size_t>(K) * kPanel);
-    for (long k = 0; k < K; ++k) {
-      for (int t = 0; t < width; ++t) panel[k * kPanel + t] = widen(b[k * ldb + j + t]);
-      for (int t = width; t < kPanel; ++t) panel[k * kPanel + t] = 0.0f;
-    }
+    pack_rows(b + j, ldb, K, width, panel);
     block<R>(a, K, panel, out + j, N, width);
   }
 }
@@ -482,21 +493,15 @@ void product(const TA* a, const TB* b, long M, long N, long K, long sbk, long sb
           for (int t = width; t < kPanel; ++t) panel[k * kPanel + t] = 0.0f;
         }
       }
-    } else
-    for (long k = 0; k < K; ++k) {
-      const T* src = b + k * sbk + j * sbn;
-      float* dst = panel + k * kPanel;
-      if (sbn == 1) {
-        if (k + kPrefetchRows < K) prefetch_row(src + kPrefetchRows * sbk, sizeof(T) * width);
-        if constexpr (std::is_same_v<T, mx::bfloat16_t>) {
-          widen_bf16(src, dst, width);
-        } else {
-          for (int t = 0; t < width; ++t) dst[t] = widen(src[t]);
-        }
-      } else {
+    } else if (sbn == 1) {
+      pack_rows(b + j, sbk, K, width, panel);
+    } else {
+      for (long k = 0; k < K; ++k) {
+        const T* src = b + k * sbk + j * sbn;
+        float* dst = panel + k * kPanel;
         for (int t = 0; t < width; ++t) dst[t] = widen(src[t * sbn]);
+        for (int t = width; t < kPanel; ++t) dst[t] = 0.0f;
       }
-      for (int t = width; t < kPanel; ++t) dst[t] = 0.0f;
     }
     long i = 0;
     for (; i + kRows <= M; i += kRows) {
