@@ -296,12 +296,23 @@ def test_a_joining_session_prefills_one_prompt_token_per_tick(models, inputs):
     for tick in range(prompt + 2):
         engine.push_audio(running, samples[tick * FRAME : (tick + 1) * FRAME])
         results = engine.tick()
+        # The frame step's own time leaves the joining session's prompt row out.
+        if tick < prompt:
+            assert 0.0 < engine.last_frame_seconds < engine.last_tick_seconds
+        else:
+            assert 0.0 < engine.last_frame_seconds <= engine.last_tick_seconds
+        # Ticks stepping a session's first two frames are flagged (one-time costs).
+        assert engine.last_tick_starting == (tick < 2 or prompt <= tick < prompt + 2)
         for session_id, result in results.items():
             events[session_id] += result.events
         assert len([e for e in results[running].events if e.kind == "audio"]) == 1
         audio = [e for e in results[joining].events if e.kind == "audio"]
         assert len(audio) == (1 if tick >= prompt else 0)
     assert not engine.prefilling(joining)
+    prefilling_alone = engine.open(options)
+    engine.tick()  # its first prompt token and nothing else: no frame step
+    assert engine.last_tick_seconds > 0.0 and engine.last_frame_seconds == 0.0
+    engine.cancel(prefilling_alone)
     for session_id in (running, joining):
         engine.flush(session_id, pad_partial=False)
     for result in engine.tick().values():

@@ -19,6 +19,7 @@ from mlx_voicechat_plugin.runtime.audio_io import read_audio
 from mlx_voicechat_plugin.runtime.batch import BatchedEngine
 from mlx_voicechat_plugin.server.engine import AUTO_MAX_SESSIONS, RealtimeEngine
 
+from .conftest import SYSTEM_PROMPT
 from .test_server_access import _free_port
 from .test_server_support import FRAME, Closed, ServerHandle, append, http, server_settings
 
@@ -142,6 +143,46 @@ def test_a_session_far_behind_real_time_is_closed(tiny, monkeypatch):
             assert "voicechat_sessions_lagging_total 1.0" in text
             assert "voicechat_frames_late_total" in text
             server.wait_slot_free()
+    finally:
+        monkeypatch.undo()
+        engine.stop()
+
+
+def test_the_budget_leaves_a_joining_sessions_prompt_out(tiny, monkeypatch):
+    """A joining session's system prompt runs one token per tick beside the running
+    sessions' frames; the budget predicts from each tick's frame step without it, and leaves
+    out the ticks of each session's first two frames (one-time costs): a burst of joins would
+    otherwise inflate the running sessions' ticks and refuse the next callers."""
+    engine = _engine(tiny, max_sessions=2, tick_budget=math.inf, warm_up=False)
+    try:
+        ticks, observed = [], []
+        original = BatchedEngine.tick
+
+        def recorded_tick(self):
+            results = original(self)
+            ticks.append((self.last_tick_seconds, self.last_frame_seconds, self.last_tick_starting))
+            return results
+
+        monkeypatch.setattr(BatchedEngine, "tick", recorded_tick)
+        monkeypatch.setattr(engine.budget, "observe", lambda rows, seconds, warm_up=False: observed.append(seconds))
+        with ServerHandle(server_settings(tiny), engine) as server:
+            with server.connect() as running, server.connect() as joining:
+                running.configure(seed=0, system_prompt="")
+                joining.configure(seed=1, system_prompt=SYSTEM_PROMPT)
+                for _ in range(12):
+                    for client in (running, joining):
+                        client.send(append(np.zeros(FRAME, np.float32)))
+                    time.sleep(0.08)
+                for client in (running, joining):
+                    while client.recv(timeout=60)["type"] != "response.audio.delta":
+                        pass
+                    client.send({"type": "session.cancel"})
+                    client.until_closed()
+        steady = [frame for _, frame, starting in ticks if frame > 0.0 and not starting]
+        assert observed == steady  # every steady tick that stepped frames: its frame step's time
+        assert any(frame < whole for whole, frame, starting in ticks if frame > 0.0 and not starting)  # a prompt row beside
+        assert 0 < sum(starting for *_, starting in ticks) <= 4  # the sessions' first two frames left out
+        assert all(frame <= whole for whole, frame, _ in ticks)
     finally:
         monkeypatch.undo()
         engine.stop()

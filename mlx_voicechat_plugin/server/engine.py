@@ -404,7 +404,8 @@ class RealtimeEngine:
         frames = batch.frames_processed - before
         if frames:
             self.metrics.observe_tick(batch.last_tick_seconds, frames)
-            self.budget.observe(frames, batch.last_tick_seconds)
+            if not batch.last_tick_starting:  # steady state: no session's first frames or prompt prefill
+                self.budget.observe(frames, batch.last_frame_seconds)
         for session_id in list(self._prefilling):
             if session_id not in batch.session_ids or not batch.prefilling(session_id):
                 self._prefilling.discard(session_id)
@@ -505,7 +506,7 @@ class RealtimeEngine:
                 for tick in range(WARM_UP_TICKS):
                     batch.tick()
                     if tick >= WARM_UP_TICKS - 5:
-                        self.budget.observe(rows, batch.last_tick_seconds, warm_up=True)
+                        self.budget.observe(rows, batch.last_frame_seconds, warm_up=True)
             finally:
                 for session_id in ids:
                     batch.close(session_id)

@@ -34,6 +34,10 @@ from ..streaming.events import Done
 from ..streaming.options import StreamingOptions
 from ..streaming.step import prefill_rows, step_frames
 
+#: A session's first frames, whose steps pay one-time costs (its codec decoded alone on its
+#: first frame, its caches' first allocations): ticks stepping them are flagged
+#: (``BatchedEngine.last_tick_starting``) so that a steady-state measure can leave them out.
+STARTING_FRAMES = 2
 
 class SessionLimitError(StreamingError, RuntimeError):
     """Every session slot of the engine is taken (``max_sessions``)."""
@@ -81,6 +85,16 @@ class BatchedEngine:
         tokenizer: its text tokenizer (the processor from ``mlx_vlm.load`` works too).
         max_sessions: most sessions open at once (``None``: unbounded).
 
+    Attributes:
+        frames_processed: frames stepped since the engine was made.
+        last_tick_seconds: the last tick that did anything, whole (seconds).
+        last_frame_seconds: that tick's frame step alone (seconds; 0.0 when it stepped no
+            frame): without the prompt-prefill rows of joining sessions, which each tick
+            runs first (one prompt token per session and tick, for a session's first
+            ticks only). A steady-state measure of the tick for admission.
+        last_tick_starting: that tick stepped a session's first :data:`STARTING_FRAMES`
+            frames (a transient, like the prefill).
+
     Raises:
         ValueError: ``max_sessions`` is not a positive integer, or
             ``MLX_VOICECHAT_BATCH_LANES`` names an unknown stage
@@ -99,6 +113,8 @@ class BatchedEngine:
         self.frame_samples = round(model.config.input_sample_rate * model.config.frame_duration)
         self.frames_processed = 0
         self.last_tick_seconds = 0.0
+        self.last_frame_seconds = 0.0
+        self.last_tick_starting = False
         self._slots: dict[str, _Slot] = {}
         self._ids = itertools.count()
         self._thread = threading.get_ident()
@@ -249,12 +265,14 @@ class BatchedEngine:
         prefilling = [(session_id, slot) for session_id, slot in self._slots.items() if slot.prefill]
         if prefilling:  # before any frame leaves a buffer: an interrupt here loses none
             self._prefill_rows(prefilling, results)
+        frames_start = time.perf_counter()
         for session_id, slot in list(self._slots.items()):
             if slot.prefill or session_id in results:
                 continue
             frame = self._take_frame(session_id, slot, results)
             if frame is not None:
                 stepping.append((session_id, slot, frame))
+        starting = any(slot.session.frame_index < STARTING_FRAMES for _, slot, _ in stepping)
         if stepping:
             try:  # a failing step fails its sessions' states (step_frames)
                 outputs = self._step(stepping)
@@ -270,7 +288,10 @@ class BatchedEngine:
                 results.setdefault(session_id, TickResult()).events.extend(events)
                 self.frames_processed += 1
         if stepping or results:
-            self.last_tick_seconds = time.perf_counter() - start
+            end = time.perf_counter()
+            self.last_tick_seconds = end - start
+            self.last_frame_seconds = end - frames_start if stepping else 0.0
+            self.last_tick_starting = starting
         for session_id, slot in list(self._slots.items()):
             left = slot.pending.shape[0]
             if slot.prefill:
