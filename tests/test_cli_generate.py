@@ -196,6 +196,26 @@ def test_console_script_subprocess(tiny, baseline, tmp_path):
     assert result.wav_bytes == baseline.wav_bytes  # same seed, another process
 
 
+@pytest.mark.parametrize("mode", [[], ["--stream"]], ids=["offline", "stream"])
+def test_one_stream_for_both_keeps_the_text_before_the_audio_line(tiny, tmp_path, mode):
+    """``> log 2>&1`` or a pipe: the text lines (stdout) come before the ``[audio]`` line
+    (stderr), each on its own line."""
+    output = tmp_path / "r.wav"
+    env = _subprocess_env()
+    env.pop("PYTHONUNBUFFERED", None)  # a pipe's stdout is block-buffered, as for a user
+    completed = subprocess.run(
+        [console_script(), "generate", "--model", tiny, "--audio", SPEECH_WAV, "--output-audio", str(output),
+         *SHORT, *mode],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, timeout=120,
+    )
+    assert completed.returncode == 0, completed.stdout
+    lines = [line for line in completed.stdout.decode("utf-8").splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] + "]" for line in lines[-1:]] == ["[audio]"], lines
+    labels = [line.split("]")[0] + "]" for line in lines[:-1]]
+    assert "[user]" in labels and "[assistant]" in labels and "[audio]" not in labels, lines
+    assert all(line.count("[audio] wrote") <= 1 and not ("[assistant]" in line and "[audio]" in line) for line in lines)
+
+
 def test_mlx_vlm_generate_route_subprocess(tiny, baseline, tmp_path):
     output = tmp_path / "r.wav"
     # mlx-vlm's spelling: the prompt as several words.

@@ -268,4 +268,5 @@ def _write_answer(write, output: Path, samples, sample_rate: int) -> None:
     """Write the answer WAV and say where (stderr: stdout keeps the text lines)."""
     path = write(output, samples, sample_rate)
     seconds = samples.shape[0] / sample_rate
+    sys.stdout.flush()  # the text lines first, also when both streams go to one file or pipe
     print(f"[audio] wrote {path} ({seconds:.2f} s, {sample_rate} Hz mono PCM16)", file=sys.stderr)

@@ -39,6 +39,7 @@ from ..streaming.step import prefill_rows, step_frames
 #: (``BatchedEngine.last_tick_starting``) so that a steady-state measure can leave them out.
 STARTING_FRAMES = 2
 
+
 class SessionLimitError(StreamingError, RuntimeError):
     """Every session slot of the engine is taken (``max_sessions``)."""
 
