@@ -118,6 +118,28 @@ def test_gather_waits_for_live_sessions_only_and_at_most_the_window():
     assert TickGather(0.0).wait_seconds({"a"}, ["a", "b"]) == 0.0
 
 
+def test_gather_counts_the_window_from_when_the_waiting_frame_was_due():
+    """A frame queued behind its session's previous one reaches the engine late; its window
+    runs from when it was due, so a session sending more slowly than real time cannot hold a
+    backlogged session back again and again."""
+    clock = Clock()
+    gather = TickGather(0.08, clock=clock)
+    gather.pushed("a")
+    gather.pushed("b")
+    gather.ticked()
+    clock.now += 0.05
+    gather.pushed("a")  # reaches the engine now; b (live) has no frame yet
+    assert gather.wait_seconds({"a"}, ["a", "b"], oldest_due=clock.now - 0.1) == 0.0  # due 100 ms ago
+    assert gather.wait_seconds({"a"}, ["a", "b"], oldest_due=clock.now - 0.03) == pytest.approx(0.05)
+    assert gather.wait_seconds({"a"}, ["a", "b"], oldest_due=clock.now + 0.04) == pytest.approx(0.08)  # ahead of real time
+    lag = LagClock(0.08, clock=clock)
+    assert lag.oldest_due is None
+    lag.pushed(2, at=clock.now - 0.2)
+    assert lag.oldest_due == pytest.approx(clock.now - 0.2)
+    lag.answered()
+    assert lag.oldest_due == pytest.approx(clock.now - 0.12)  # one frame after the first
+
+
 def test_lag_clock_paces_bursts_and_resets_after_pauses():
     clock = Clock()
     lag = LagClock(0.08, clock=clock)
@@ -191,9 +213,16 @@ def test_no_session_is_admitted_while_the_running_ones_are_late():
         clock.now += 0.08
         budget.observe_lag(0.05)
     assert not budget.late() and budget.admits(3)
+    for _ in range(10):  # a session that falls behind and then ends
+        clock.now += 0.08
+        budget.observe_lag(0.5, "gone")
+        budget.observe_lag(0.05, "running")
+    assert budget.late() and not budget.admits(3)
+    budget.forget("gone")  # only the running sessions' lags count
+    assert not budget.late() and budget.admits(3)
 
 
-def test_auto_admits_at_most_one_new_session_a_second():
+def test_auto_admits_at_most_one_new_session_a_second_while_it_stays():
     import asyncio
     import time
 
@@ -209,5 +238,8 @@ def test_auto_admits_at_most_one_new_session_a_second():
     assert not asyncio.run(engine.reserve("b", wait=0)) and not engine.slot_free  # paced
     time.sleep(AUTO_ADMIT_INTERVAL + 0.05)
     assert engine.slot_free and asyncio.run(engine.reserve("b", wait=0))
+    assert not asyncio.run(engine.reserve("c", wait=0))  # paced by b's admission
+    engine.release("b")  # b left at once: it paces nobody (connect-and-vanish locks no one out)
+    assert engine.slot_free and asyncio.run(engine.reserve("c", wait=0))
     fixed = RealtimeEngine(lambda: None, max_sessions=3, warm_up=False)
     assert all(asyncio.run(fixed.reserve(name, wait=0)) for name in "abc")  # a fixed N is not paced

@@ -6,8 +6,10 @@ command-line options that set them."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
+import threading
 import time
 
 import numpy as np
@@ -185,6 +187,57 @@ def test_the_budget_leaves_a_joining_sessions_prompt_out(tiny, monkeypatch):
         assert all(frame <= whole for whole, frame, _ in ticks)
     finally:
         monkeypatch.undo()
+        engine.stop()
+
+
+def test_a_caller_slower_than_real_time_does_not_set_the_others_pace(tiny):
+    """One client sends a frame every 190 ms, another every 80 ms on the wall clock: the
+    tick gather waits for the slow one at most one window from when each frame was due, so
+    the paced caller stays on time instead of queueing a backlog (closed for lag at 2 s)."""
+    engine = _engine(tiny, max_sessions=2, tick_budget=math.inf, warm_up=False)
+    try:
+        with ServerHandle(server_settings(tiny), engine) as server:
+            latencies: dict[str, list[float]] = {"paced": [], "slow": []}
+            closed: dict[str, int | None] = {}
+
+            def caller(name: str, period: float, frames: int) -> None:
+                with server.connect() as client:
+                    client.configure(seed=0, system_prompt="")
+                    sent: list[float] = []
+                    start = time.monotonic()
+                    while len(latencies[name]) < frames:
+                        if len(sent) < frames and time.monotonic() >= start + len(sent) * period:
+                            sent.append(time.monotonic())
+                            client.send(append(np.zeros(FRAME, np.float32)))
+                        due = start + len(sent) * period if len(sent) < frames else time.monotonic() + 1.0
+                        try:
+                            raw = client.ws.recv(timeout=max(0.001, due - time.monotonic()))
+                        except TimeoutError:
+                            continue
+                        except Exception:  # noqa: BLE001 - closed by the server
+                            closed[name] = 1013
+                            return
+                        event = json.loads(raw)
+                        if event["type"] == "response.audio.delta":
+                            latencies[name].append(time.monotonic() - sent[len(latencies[name])])
+                    client.send({"type": "session.cancel"})
+                    client.until_closed()
+
+            threads = [
+                threading.Thread(target=caller, args=("paced", 0.08, 75)),
+                threading.Thread(target=caller, args=("slow", 0.19, 32)),
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            assert not closed, closed
+            paced = np.asarray(latencies["paced"])
+            assert len(paced) == 75 and len(latencies["slow"]) == 32
+            # Held back by the slow caller at every tick, the paced caller fell about one tick
+            # further behind per frame while the slow one sent (p95 0.63 s on a 2-core machine).
+            assert float(np.percentile(paced, 95)) < 0.3 and float(paced[-10:].max()) < 0.3, paced.round(3)
+    finally:
         engine.stop()
 
 

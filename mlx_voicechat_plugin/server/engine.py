@@ -184,7 +184,7 @@ class RealtimeEngine:
         self._lag: dict[str, LagClock] = {}
         self._prefilling: set[str] = set()
         self._last_lag: dict[str, float] = {}
-        self._admitted_at = 0.0
+        self._admitted_at: dict[str, float] = {}  # per held slot: when it was admitted
         self._shed_hold_until = 0.0
         self.metrics = ServerMetrics(max_sessions)
         self._commands: queue.Queue[_Command | None] = queue.Queue()
@@ -260,15 +260,19 @@ class RealtimeEngine:
             held = len(self._reserved)
             if held >= self.max_sessions or not self.budget.admits(held + 1) or self._pacing(held):
                 return False, bool(self._leaving)
-            self._admitted_at = time.monotonic()
+            self._admitted_at[session_id] = time.monotonic()
             self._reserved.add(session_id)
             self.metrics.sessions_active.set(len(self._reserved))
             return True, False
 
     def _pacing(self, held: int) -> bool:
         """True while ``max_sessions="auto"`` waits :data:`AUTO_ADMIT_INTERVAL` after the
-        last admission before admitting another next to a running session."""
-        return self.auto and held >= 1 and time.monotonic() - self._admitted_at < AUTO_ADMIT_INTERVAL
+        last admission of a session still held before admitting another next to a running
+        session (a session that has left paces nobody: connecting and vanishing at once
+        cannot lock callers out)."""
+        if not (self.auto and held >= 1 and self._admitted_at):
+            return False
+        return time.monotonic() - max(self._admitted_at.values()) < AUTO_ADMIT_INTERVAL
 
     def mark_leaving(self, session_id: str) -> None:
         """Note that ``session_id``'s client has gone: its slot is about to be released
@@ -281,6 +285,7 @@ class RealtimeEngine:
         """Give the slot back (no-op unless ``session_id`` holds one)."""
         with self._slot_lock:
             self._reserved.discard(session_id)
+            self._admitted_at.pop(session_id, None)
             self._leaving.discard(session_id)
             self.metrics.sessions_active.set(len(self._reserved))
 
@@ -442,8 +447,14 @@ class RealtimeEngine:
             self._clear_cache()
 
     def _gather_hold(self) -> float:
-        """Seconds the next tick waits for the other live sessions (:mod:`.tick_gather`)."""
-        return self._gather.wait_seconds(set(self._waiting), self._batch.session_ids)
+        """Seconds the next tick waits for the other live sessions (:mod:`.tick_gather`),
+        counted from when the earliest waiting frame was due (:mod:`.lag_clock`)."""
+        dues = [
+            due
+            for session_id in self._waiting
+            if (clock := self._lag.get(session_id)) is not None and (due := clock.oldest_due) is not None
+        ]
+        return self._gather.wait_seconds(set(self._waiting), self._batch.session_ids, min(dues) if dues else None)
 
     def _shed(self, results: dict) -> str | None:
         """The session to close for lag this tick, if any: the newest of those whose frame
@@ -472,13 +483,14 @@ class RealtimeEngine:
         lag = clock.answered()
         if lag is not None:
             self.metrics.observe_lag(lag)
-            self.budget.observe_lag(lag)
+            self.budget.observe_lag(lag, session_id)
         if result.finished:
             self._forget(session_id)
         return lag
 
     def _forget(self, session_id: str) -> None:
         self._lag.pop(session_id, None)
+        self.budget.forget(session_id)
         self._last_lag.pop(session_id, None)
         self._prefilling.discard(session_id)
         self._gather.forget(session_id)

@@ -54,6 +54,11 @@ class LagClock:
         return self._clock() - self._due.pop(0)
 
     @property
+    def oldest_due(self) -> float | None:
+        """When the oldest pending frame was due (a ``clock`` reading), or None."""
+        return self._due[0] if self._due else None
+
+    @property
     def pending(self) -> int:
         """Frames pushed and not yet answered."""
         return len(self._due)

@@ -19,9 +19,10 @@ frames: ``BatchedEngine.last_frame_seconds`` / ``last_tick_starting``), taking
 
 whichever is larger, and admits a session only while it stays within ``fraction`` x the
 frame (72 ms by default) and while the sessions already running are on time: no session is
-admitted while the p95 lag of the frames answered in the last :data:`RECENT_SECONDS`
-(:meth:`observe_lag`) is over :data:`.lag_clock.LATE_SECONDS` (two frames). The first
-session is always admitted (it delays nobody).
+admitted while the p95 lag of the running sessions' frames answered in the last
+:data:`RECENT_SECONDS` (:meth:`observe_lag`; an ended session's are dropped,
+:meth:`forget`) is over :data:`.lag_clock.LATE_SECONDS` (two frames). The first session is
+always admitted (it delays nobody).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class TickBudget:
         self._ticks: collections.deque[tuple[float, int, float]] = collections.deque(maxlen=1024)
         self._warm_up: dict[int, list[float]] = {}
         self._warm_cache: dict[int, float | None] = {}
-        self._lags: collections.deque[tuple[float, float]] = collections.deque(maxlen=1024)
+        self._lags: collections.deque[tuple[float, float, str | None]] = collections.deque(maxlen=1024)
 
     def observe(self, rows: int, seconds: float, *, warm_up: bool = False) -> None:
         """Record a tick that stepped ``rows`` sessions in ``seconds`` (``warm_up``: a tick
@@ -77,15 +78,22 @@ class TickBudget:
         else:
             self._ticks.append((self._clock(), rows, float(seconds)))
 
-    def observe_lag(self, seconds: float) -> None:
-        """Record one frame's lag (:mod:`.lag_clock`)."""
-        self._lags.append((self._clock(), float(seconds)))
+    def observe_lag(self, seconds: float, session_id: str | None = None) -> None:
+        """Record one frame's lag (:mod:`.lag_clock`) of ``session_id``'s session."""
+        self._lags.append((self._clock(), float(seconds), session_id))
+
+    def forget(self, session_id: str) -> None:
+        """``session_id``'s session has ended: its lags no longer say whether the running
+        sessions are on time."""
+        self._lags = collections.deque(
+            (entry for entry in self._lags if entry[2] != session_id), maxlen=self._lags.maxlen
+        )
 
     def late(self) -> bool:
-        """True while the p95 lag of the last :data:`RECENT_SECONDS` is over
-        :data:`.lag_clock.LATE_SECONDS` (the running sessions are behind)."""
+        """True while the p95 lag of the running sessions' frames of the last
+        :data:`RECENT_SECONDS` is over :data:`.lag_clock.LATE_SECONDS` (they are behind)."""
         since = self._clock() - RECENT_SECONDS
-        recent = [seconds for at, seconds in self._lags if at >= since]
+        recent = [seconds for at, seconds, _ in self._lags if at >= since]
         return len(recent) >= MIN_SAMPLES and float(np.quantile(np.asarray(recent), 0.95)) > LATE_SECONDS
 
     @property

@@ -4,8 +4,13 @@ Callers' frames arrive out of phase. Ticking as soon as any session has a frame 
 80 ms period into several small batches whose total cost exceeds the frame clock, and then
 every session falls behind together. :class:`TickGather` holds a tick back until every
 *live* session (one that pushed audio within :data:`LIVE_SECONDS`) has its frame ready, or
-until the first waiting frame has waited ``window`` seconds, whichever comes first (so a
-frame waits at most ``window`` plus one tick). The window is not shortened when ticks grow
+until the first waiting frame has waited ``window`` seconds since it was due, whichever
+comes first (so a frame waits at most ``window`` plus one tick). A frame is due when its
+append reached the server, or for a client ahead of real time one frame after its previous
+frame (:mod:`.lag_clock`): a session behind real time, whose appends queued while its
+earlier frames ran, is not held again for a session that sends more slowly than real time
+(which would otherwise set every session's pace and let their backlogs grow without
+bound). The window is not shortened when ticks grow
 long: a loaded engine needs the gather most, and splitting its ticks would cost it more. A
 session that has gone quiet (between push-to-talk turns, after its last append) is not
 waited for once it stops being live; one session alone is never held back.
@@ -56,14 +61,20 @@ class TickGather:
         """A tick ran: the next one gathers afresh."""
         self._first_ready = None
 
-    def wait_seconds(self, ready: set[str], open_ids) -> float:
+    def wait_seconds(self, ready: set[str], open_ids, oldest_due: float | None = None) -> float:
         """Seconds to hold the tick for more frames (0: tick now).
 
         Args:
             ready: sessions waiting for the tick.
             open_ids: every open session.
+            oldest_due: when the earliest of the waiting frames was due (a ``clock``
+                reading, :meth:`.lag_clock.LagClock.oldest_due`), if known: the window runs
+                from it when it is earlier than the first push since the last tick.
         """
-        if not ready or self.window <= 0 or self._first_ready is None:
+        start = self._first_ready
+        if oldest_due is not None:
+            start = oldest_due if start is None else min(start, oldest_due)
+        if not ready or self.window <= 0 or start is None:
             return 0.0
         now = self._clock()
         missing = [
@@ -73,4 +84,4 @@ class TickGather:
         ]
         if not missing:
             return 0.0
-        return max(0.0, self._first_ready + self.window - now)
+        return max(0.0, start + self.window - now)
