@@ -96,14 +96,20 @@ def test_budget_off_and_bad_fractions():
             TickBudget(fraction=bad)
 
 
-def test_gather_waits_for_live_sessions_only_and_at_most_the_window():
-    clock = Clock()
+def _a_ready_b_due(clock: Clock) -> TickGather:
+    """Sessions a and b ticked together; 50 ms later a's next frame is in, b's not yet."""
     gather = TickGather(0.08, clock=clock)
     gather.pushed("a")
     gather.pushed("b")
     gather.ticked()
     clock.now += 0.05
-    gather.pushed("a")  # a's next frame; b's is due
+    gather.pushed("a")
+    return gather
+
+
+def test_gather_waits_for_live_sessions_only_and_at_most_the_window():
+    clock = Clock()
+    gather = _a_ready_b_due(clock)
     assert gather.wait_seconds({"a"}, ["a", "b"]) == pytest.approx(0.08)
     clock.now += 0.03
     assert gather.wait_seconds({"a"}, ["a", "b"]) == pytest.approx(0.05)
@@ -123,12 +129,7 @@ def test_gather_counts_the_window_from_when_the_waiting_frame_was_due():
     runs from when it was due, so a session sending more slowly than real time cannot hold a
     backlogged session back again and again."""
     clock = Clock()
-    gather = TickGather(0.08, clock=clock)
-    gather.pushed("a")
-    gather.pushed("b")
-    gather.ticked()
-    clock.now += 0.05
-    gather.pushed("a")  # reaches the engine now; b (live) has no frame yet
+    gather = _a_ready_b_due(clock)  # a's frame reaches the engine now
     assert gather.wait_seconds({"a"}, ["a", "b"], oldest_due=clock.now - 0.1) == 0.0  # due 100 ms ago
     assert gather.wait_seconds({"a"}, ["a", "b"], oldest_due=clock.now - 0.03) == pytest.approx(0.05)
     assert gather.wait_seconds({"a"}, ["a", "b"], oldest_due=clock.now + 0.04) == pytest.approx(0.08)  # ahead of real time
