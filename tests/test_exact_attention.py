@@ -218,9 +218,9 @@ def test_softmax_falls_back_to_mlx_when_off(monkeypatch):
     x = mx.array(np.linspace(-3, 3, 40, dtype=np.float32)).reshape(4, 10)
     want = mx.softmax(x, axis=-1, precise=True)
     assert _same(native.softmax(x), want) and calls == ["softmax"]
-    native._state["softmax_off"] = "self-test mismatch"
+    native._state["off"] = {"softmax": "self-test mismatch"}
     assert _same(native.softmax(x), want) and calls == ["softmax"]
-    native._state["softmax_off"] = None
+    native._state["off"] = {}
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert _same(native.softmax(x), want) and calls == ["softmax"]
 

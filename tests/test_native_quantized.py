@@ -23,7 +23,7 @@ def kernels(monkeypatch):
     decided)."""
     assert native.available(), native.status()
     monkeypatch.setitem(native._state, "decisions", {})
-    assert native._state["quantized_off"] is None, native._state["quantized_off"]
+    assert "quantized_matmul" not in native._state["off"], native._state["off"]
     return native._state["module"]
 
 
@@ -195,7 +195,7 @@ def test_self_test_mismatch_switches_off_only_this_family(kernels, monkeypatch):
     with pytest.raises(RuntimeError, match="quantized self-test mismatch"):
         native._self_test_quantized(Wrong())
     native._self_test_quantized(kernels)  # the real kernel passes
-    monkeypatch.setitem(native._state, "quantized_off", "RuntimeError: mismatch")
+    monkeypatch.setitem(native._state, "off", {"quantized_matmul": "RuntimeError: mismatch"})
     rng = np.random.default_rng(23)
     packed, scales, biases = _quantized(rng, 8, 64, mx.float32, 4, 64)
     watcher = Spy(kernels)
@@ -264,7 +264,7 @@ def test_status_command_says_when_the_self_test_switched_it_off(kernels, monkeyp
     monkeypatch.setenv("MLX_VOICECHAT_NATIVE_MEASURE", "0")
     assert main([]) == 0
     assert "quantized product: off" not in capsys.readouterr().out
-    monkeypatch.setitem(native._state, "quantized_off", "RuntimeError: mismatch")
+    monkeypatch.setitem(native._state, "off", {"quantized_matmul": "RuntimeError: mismatch"})
     assert main([]) == 0
     assert "quantized product: off (self-test: RuntimeError: mismatch)" in capsys.readouterr().out
 

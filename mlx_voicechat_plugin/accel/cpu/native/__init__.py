@@ -83,9 +83,8 @@ NATIVE_ENV = "MLX_VOICECHAT_NATIVE"
 
 _SUPPORTED = (mx.float32, mx.bfloat16, mx.float16)
 _lock = threading.Lock()
-_state: dict = {
-    "module": None, "reason": None, "tried": False, "decisions": {}, "quantized_off": None, "softmax_off": None
-}
+#: ``off``: kernel family -> why its own load-time self-test switched it off (MLX's op runs).
+_state: dict = {"module": None, "reason": None, "tried": False, "decisions": {}, "off": {}}
 _log = logging.getLogger(__name__)
 
 
@@ -157,6 +156,14 @@ def _self_test_softmax(module) -> None:
                     raise RuntimeError(f"softmax self-test mismatch for {dtype} {shape}")
 
 
+#: Kernel families with their own load-time self-test (a mismatch switches off only that
+#: family): family -> (self-test, its name in messages, the MLX operation that runs instead).
+FAMILY_SELF_TESTS = {
+    "quantized_matmul": (_self_test_quantized, "quantized product", "mx.quantized_matmul"),
+    "softmax": (_self_test_softmax, "softmax", "mx.softmax"),
+}
+
+
 def _load():
     with _lock:
         if _state["tried"]:
@@ -178,17 +185,12 @@ def _load():
                 str(error).splitlines()[0],
             )
             return None
-        try:
-            _self_test_quantized(module)
-        except Exception as error:  # noqa: BLE001 - only this family falls back to MLX
-            _state["quantized_off"] = f"{type(error).__name__}: {error}"
-            _log.warning("mlx-voicechat-plugin: native quantized product off (%s); using "
-                         "mx.quantized_matmul", _state["quantized_off"])
-        try:
-            _self_test_softmax(module)
-        except Exception as error:  # noqa: BLE001 - only this family falls back to MLX
-            _state["softmax_off"] = f"{type(error).__name__}: {error}"
-            _log.warning("mlx-voicechat-plugin: native softmax off (%s); using mx.softmax", _state["softmax_off"])
+        for family, (self_test, name, fallback) in FAMILY_SELF_TESTS.items():
+            try:
+                self_test(module)
+            except Exception as error:  # noqa: BLE001 - only this family falls back to MLX
+                _state["off"][family] = f"{type(error).__name__}: {error}"
+                _log.warning("mlx-voicechat-plugin: native %s off (%s); using %s", name, _state["off"][family], fallback)
         _state["module"] = module
         return module
 
@@ -212,7 +214,7 @@ def reset() -> None:
     """Forget the load attempt and the measured decisions (tests; after changing
     :data:`NATIVE_ENV`)."""
     with _lock:
-        _state.update(module=None, reason=None, tried=False, decisions={}, quantized_off=None, softmax_off=None)
+        _state.update(module=None, reason=None, tried=False, decisions={}, off={})
 
 
 def calibrate(workloads, refresh: bool = False) -> dict:
@@ -253,9 +255,7 @@ def _use(kernel: str, dtype: mx.Dtype | None, rows: int | None) -> bool:
     for this dtype and row regime."""
     if not active():
         return False
-    if kernel == "quantized_matmul" and _state["quantized_off"]:
-        return False
-    if kernel == "softmax" and _state["softmax_off"]:
+    if kernel in _state["off"]:
         return False
     if not _state["decisions"]:
         return True

@@ -36,12 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     module = extension()
     print(f"variant: {module.isa} ({module.lanes} floats per vector)")
     print(f"built at: {module.__file__}")
-    from . import _state
+    from . import FAMILY_SELF_TESTS, _state
 
-    if _state["quantized_off"]:
-        print(f"quantized product: off (self-test: {_state['quantized_off']}); mx.quantized_matmul runs")
-    if _state["softmax_off"]:
-        print(f"softmax: off (self-test: {_state['softmax_off']}); mx.softmax runs")
+    for family, reason in _state["off"].items():
+        _, name, fallback = FAMILY_SELF_TESTS[family]
+        print(f"{name}: off (self-test: {reason}); {fallback} runs")
     if not measuring_enabled():
         print("self-measurement: off (MLX_VOICECHAT_NATIVE_MEASURE=0): every kernel family on")
         return 0
