@@ -184,12 +184,11 @@ class RealtimeEngine:
         self._lag: dict[str, LagClock] = {}
         self._prefilling: set[str] = set()
         self._last_lag: dict[str, float] = {}
-        self._admitted_at: dict[str, float] = {}  # per held slot: when it was admitted
         self._shed_hold_until = 0.0
         self.metrics = ServerMetrics(max_sessions)
         self._commands: queue.Queue[_Command | None] = queue.Queue()
         self._slot_lock = threading.Lock()
-        self._reserved: set[str] = set()
+        self._reserved: dict[str, float] = {}  # held slots: session id -> when admitted
         self._leaving: set[str] = set()  # reserved, client gone, slot being given back
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -260,8 +259,7 @@ class RealtimeEngine:
             held = len(self._reserved)
             if held >= self.max_sessions or not self.budget.admits(held + 1) or self._pacing(held):
                 return False, bool(self._leaving)
-            self._admitted_at[session_id] = time.monotonic()
-            self._reserved.add(session_id)
+            self._reserved[session_id] = time.monotonic()
             self.metrics.sessions_active.set(len(self._reserved))
             return True, False
 
@@ -270,9 +268,9 @@ class RealtimeEngine:
         last admission of a session still held before admitting another next to a running
         session (a session that has left paces nobody: connecting and vanishing at once
         cannot lock callers out)."""
-        if not (self.auto and held >= 1 and self._admitted_at):
+        if not (self.auto and held >= 1):
             return False
-        return time.monotonic() - max(self._admitted_at.values()) < AUTO_ADMIT_INTERVAL
+        return time.monotonic() - max(self._reserved.values(), default=0.0) < AUTO_ADMIT_INTERVAL
 
     def mark_leaving(self, session_id: str) -> None:
         """Note that ``session_id``'s client has gone: its slot is about to be released
@@ -284,8 +282,7 @@ class RealtimeEngine:
     def release(self, session_id: str) -> None:
         """Give the slot back (no-op unless ``session_id`` holds one)."""
         with self._slot_lock:
-            self._reserved.discard(session_id)
-            self._admitted_at.pop(session_id, None)
+            self._reserved.pop(session_id, None)
             self._leaving.discard(session_id)
             self.metrics.sessions_active.set(len(self._reserved))
 
