@@ -110,10 +110,12 @@ def test_openai_dialect_is_selected_at_the_upgrade(server, query, subprotocols):
         assert client.ws.subprotocol == ("realtime" if subprotocols else None)
 
 
-def test_unknown_dialect_is_refused_before_accept(server):
+@pytest.mark.parametrize("query", ["?dialect=klingon", "?dialect=openai&dialect=mlx-voicechat", "?dialect=openai&dialect=openai"])
+def test_unknown_or_repeated_dialect_is_refused_before_accept(server, query):
     with pytest.raises(InvalidStatus) as refused:
-        connect(server.ws_url + "?dialect=klingon", proxy=None)
+        connect(server.ws_url + query, proxy=None)
     assert refused.value.response.status_code == 400
+    assert b"dialect" in refused.value.response.body
 
 
 # ---------------------------------------------------------------------- the official SDK

@@ -24,16 +24,25 @@ DIALECTS = ("openai", "mlx-voicechat")
 
 
 class DialectError(ValueError):
-    """An unknown ``?dialect=`` value."""
+    """An unknown or repeated ``?dialect=`` value."""
 
 
 def wants_openai(query: Mapping[str, str], offered: list[str]) -> bool:
     """Apply the selection rule above to the upgrade's query parameters and subprotocols.
 
+    Args:
+        query: the upgrade's query parameters (Starlette's ``QueryParams``, whose
+            ``getlist`` sees every repeat, or a plain mapping).
+        offered: the subprotocols the client offered.
+
     Raises:
-        DialectError: ``dialect`` is neither ``openai`` nor ``mlx-voicechat``.
+        DialectError: ``dialect`` is neither ``openai`` nor ``mlx-voicechat``, or is given
+            more than once (which one would win depends on the proxy or framework).
     """
-    dialect = query.get("dialect")
+    values = query.getlist("dialect") if hasattr(query, "getlist") else ([query["dialect"]] if "dialect" in query else [])
+    if len(values) > 1:
+        raise DialectError(f"the dialect parameter is given {len(values)} times; give it once")
+    dialect = values[0] if values else None
     if dialect is not None:
         if dialect not in DIALECTS:
             raise DialectError(f"unknown dialect {dialect[:40]!r}; use one of {', '.join(DIALECTS)}")
