@@ -196,6 +196,32 @@ def test_manual_turn_commit_then_response_create(server, question_24k):
         assert added["previous_item_id"] == committed["item_id"]
 
 
+@pytest.mark.parametrize(
+    "interjection",
+    [
+        {"type": "session.update", "session": {}},
+        {"type": "response.create"},  # refused: a response is already active
+        {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}},
+    ],
+    ids=["session.update", "duplicate response.create", "conversation.item.create"],
+)
+def test_manual_response_goes_on_after_a_client_event(server, question_24k, interjection):
+    with _ga(server) as client:
+        client.recv()
+        client.send({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}}})
+        client.until("session.updated")
+        _append_all(client, question_24k[:9600])
+        client.send({"type": "input_audio_buffer.commit"})
+        client.until("conversation.item.done")
+        client.send({"type": "response.create", "response": {"max_output_tokens": 12}})
+        client.until("response.output_audio.delta")
+        client.send(interjection)
+        events = client.until("response.done", timeout=30)
+        done = events[-1]["response"]
+        assert done["status"] == "incomplete"  # the fill went on to the token cap
+        assert done["usage"]["output_token_details"]["audio_tokens"] == 12
+
+
 def test_response_cancel_is_barge_in_and_the_session_keeps_listening(server, question_24k):
     with _ga(server) as client:
         client.recv()

@@ -63,6 +63,8 @@ class OpenAIConnection(Connection):
         # answered before the next frame goes through the model (:meth:`_cancel_early`), so a
         # cancel behind queued appends ends the response at once; numbers answered that way
         # are skipped when the handler reaches them in order.
+        # frames of silence the current manual response may still be fed (_fill)
+        self._fill_left = 0
         self._early_cancels: collections.deque[tuple[int, dict]] = collections.deque()
         self._answered_early: set[int] = set()
 
@@ -133,6 +135,8 @@ class OpenAIConnection(Connection):
                 self._answered_early.discard(self._dispatched_seq)
                 return  # answered ahead of the audio in front of it
         await self._handle(message)
+        if message["type"] != "input_audio_buffer.append" and self._fill_left > 0:
+            await self._fill()  # a manual response goes on after the message (client audio drives it instead)
 
     async def _handle(self, message: dict) -> None:
         client_event_id = message.get("event_id") if isinstance(message.get("event_id"), str) else None
@@ -289,21 +293,27 @@ class OpenAIConnection(Connection):
         await self._open()
         await self._send_all(self.timeline.create_response(requested=True, **options))
         if self.config.turn_detection is None:
+            self._fill_left = int(MAX_FILL_SECONDS * 1000 / 80)
             await self._fill()
 
     async def _fill(self) -> None:
         """Without turn detection the client has stopped talking: feed silence (the partial
-        frame first) until the response ends, a client message arrives, or
-        :data:`MAX_FILL_SECONDS`."""
-        frames = int(MAX_FILL_SECONDS * 1000 / 80)
-        for _ in range(frames):
-            if not self.timeline.response_active or not self.inbox.empty() or self.finished:
+        frame first) until the response ends or :data:`MAX_FILL_SECONDS` of it were fed.
+        A client message pauses it: once handled, the fill goes on (after anything but
+        ``input_audio_buffer.append``: audio from the client drives the model instead)."""
+        while self._fill_left > 0:
+            if not self.timeline.response_active or self.finished:
+                self._fill_left = 0
                 return
+            if not self.inbox.empty():
+                return  # handled first; _dispatch resumes the fill
+            self._fill_left -= 1
             frame = np.zeros(FRAME_SAMPLES, np.float32)
             frame[: self.pending.shape[0]] = self.pending
             heard = self.pending.shape[0] > 0
             self.pending = np.zeros(0, np.float32)
             if not await self._push(frame, heard=heard):
+                self._fill_left = 0
                 return
 
     async def _response_cancel(self, message: dict) -> None:
