@@ -204,6 +204,27 @@ def test_text_items_beyond_the_prompt_limit_are_refused_and_the_session_stays_us
         _assert_open(client)
 
 
+def test_text_with_a_lone_surrogate_is_refused_and_changes_nothing(server):
+    """JSON can carry a lone surrogate ("\\ud800"), which no tokenizer accepts: refused as
+    invalid, the instructions and items as they were, and the session still opens."""
+    item = '{"type":"conversation.item.create","item":{"type":"message","role":"user","content":[{"type":"input_text","text":"x\\udfff"}]}}'
+    with _ga(server) as client:
+        client.recv()
+        client.send({"type": "session.update", "session": {"instructions": "Be brief."}})
+        client.until("session.updated")
+        client.send('{"type":"session.update","session":{"instructions":"hi \\ud800 there"}}')
+        error = client.error()
+        assert (error["code"], error["param"]) == ("invalid_value", "session.instructions") and "surrogate" in error["message"]
+        client.send(item)
+        error = client.error()
+        assert (error["code"], error["param"]) == ("invalid_value", "item.content[0].text")
+        client.send({"type": "session.update", "session": {}})
+        assert client.until("session.updated")[-1]["session"]["instructions"] == "Be brief."
+        client.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(np.zeros(4800, "<i2").tobytes()).decode()})
+        client.send({"type": "input_audio_buffer.commit"})
+        assert client.until("input_audio_buffer.committed")[-1]["type"] == "input_audio_buffer.committed"
+
+
 def test_a_prompt_within_the_limits_opens(server):
     item = {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello."}]}}
     with _ga(server) as client:

@@ -77,13 +77,20 @@ def obj(value: Any, param: str, *, optional: bool = False) -> dict | None:
 
 
 def string(value: Any, param: str, *, optional: bool = False, max_chars: int | None = None) -> str | None:
-    """``value`` when it is a string of at most ``max_chars`` characters (or None with ``optional``)."""
+    """``value`` when it is a string of at most ``max_chars`` characters that is valid
+    Unicode text (or None with ``optional``). JSON can carry a lone surrogate
+    (``"\\ud800"``), which no tokenizer or UTF-8 encoder accepts: it is refused here,
+    before anything changes."""
     if value is None and optional:
         return None
     if not isinstance(value, str):
         raise fail(param, f"{param} must be a string{' or null' if optional else ''}, got {kind(value)}")
     if max_chars is not None and len(value) > max_chars:
         raise fail(param, f"{param} is {len(value)} characters; at most {max_chars} are allowed", "string_above_max_length")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise fail(param, f"{param} is not valid Unicode text (a lone surrogate at character {error.start})") from None
     return value
 
 
