@@ -171,9 +171,13 @@ def _subprocess_main(argv: list[str], cwd: Path) -> tuple[int, str, list[str]]:
         (["generate", "--model", "/nonexistent", "--audio", str(SPEECH_WAV), "--output-audio", "a.wav"],
          "/nonexistent"),
         (["serve", "--model", "/nonexistent"], "/nonexistent"),
+        (["serve", "--api-key", ""], "--api-key is empty"),
+        (["serve", "--api-key= "], "--api-key is empty"),
+        (["serve", "--api-key", "k3y "], "whitespace"),
         (["demo", "build", "."], "already exists"),
     ],
-    ids=["missing-input", "mp3-output", "generate-bad-model", "serve-bad-model", "demo-existing"],
+    ids=["missing-input", "mp3-output", "generate-bad-model", "serve-bad-model", "serve-empty-key",
+         "serve-blank-key", "serve-padded-key", "demo-existing"],
 )
 def test_the_same_mistake_exits_2_before_heavy_imports(tmp_path, argv, words):
     code, err, heavy = _subprocess_main(argv, tmp_path)
@@ -317,6 +321,13 @@ def test_progress_notes_reach_stderr_and_survive_loading(tiny, monkeypatch, caps
             log.removeHandler(handler)
         log.propagate = True
         log.setLevel(logging.NOTSET)
+
+
+def test_serve_refuses_an_empty_api_key_from_the_environment(tmp_path, monkeypatch):
+    """``MLX_VOICECHAT_API_KEY=$UNSET`` would otherwise serve without authentication."""
+    monkeypatch.setenv("MLX_VOICECHAT_API_KEY", "")
+    code, err, heavy = _subprocess_main(["serve"], tmp_path)
+    assert code == EXIT_USAGE and "MLX_VOICECHAT_API_KEY is empty" in err and heavy == [], err
 
 
 def test_serve_checks_its_options_before_building_the_demo_checkpoint(tmp_path, monkeypatch):

@@ -91,3 +91,24 @@ def test_an_open_ended_turn_state_keeps_no_growing_history():
         state.handle({"type": "response.text.delta", "delta": "word ", "text": "latest"})
     assert (state.frames, state.audio_samples) == (100, 100 * OUTPUT_FRAME_SAMPLES)
     assert state.audio == [] and state.spoken_text == "" and state.text == "latest"
+
+
+def test_file_client_never_overwrites_its_input(tmp_path, capsys):
+    """The answer path equal to the question's (directly or through a link) is refused
+    before anything is sent, exit 2, the input untouched."""
+    import shutil
+
+    from mlx_voicechat_plugin.clients.file import main
+
+    from .conftest import SPEECH_WAV
+
+    source = tmp_path / "question.wav"
+    shutil.copy(SPEECH_WAV, source)
+    link = tmp_path / "link.wav"
+    link.symlink_to(source.name)
+    before = source.read_bytes()
+    for target in (source, link, tmp_path / "sub" / ".." / "question.wav"):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        code = main(["ws://127.0.0.1:9/v1/realtime", str(source), str(target), "-q"])
+        assert code == 2 and source.read_bytes() == before
+        assert "is the input file" in capsys.readouterr().err

@@ -118,13 +118,6 @@ def _check_arguments(args) -> list[str]:
         raise UsageError(f"--max-streaming-seconds must be a positive number of seconds, got {limit:g}")
     if limit is not None and limit < 0.08:
         raise UsageError("--max-streaming-seconds must allow at least one 80 ms frame (>= 0.08)")
-    source, target = Path(args.audio[0]), Path(args.output_audio)
-    try:
-        same = source.exists() and target.exists() and os.path.samefile(source, target)
-    except OSError:
-        same = False
-    if same:
-        raise UsageError(f"--output-audio {target} is the input file; choose another path (the input is never overwritten)")
     return notes
 
 
@@ -178,7 +171,7 @@ def _inputs(args):
     from ..runtime.waveform import prepare_waveform
 
     try:
-        output = check_wav_output_path(args.output_audio)
+        output = check_wav_output_path(args.output_audio, inputs=args.audio[:1])
         # The input is read and validated before the model is looked at: bad input costs nothing.
         waveform = prepare_waveform(
             args.audio[0], sample_rate=16_000, frame_samples=1280,

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-file-clien
             raise UsageError(f"--receive-timeout must be a positive number of seconds, got {args.receive_timeout:g}")
         url = normalize_url(args.url)
         try:
-            output = check_wav_output_path(args.output)
+            output = check_wav_output_path(args.output, inputs=[args.input])
         except AudioInputError as error:
             raise UsageError(str(error)) from None
         samples = load_input(args.input, args.extra_seconds)

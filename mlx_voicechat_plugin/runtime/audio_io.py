@@ -121,16 +121,28 @@ def to_pcm16(samples: np.ndarray, scale: float = 32768.0) -> np.ndarray:
     return np.clip(scaled, -32768, 32767).astype(np.int16)
 
 
-def check_wav_output_path(path: str | Path) -> Path:
+def check_wav_output_path(path: str | Path, inputs=()) -> Path:
     """Validate an output WAV path before any work is done.
+
+    Args:
+        path: the output file.
+        inputs: input files the output must not be (also through a link or another
+            spelling of the same path): the input is never overwritten.
 
     Raises:
         AudioInputError: the name does not end in ``.wav``, the parent directory does not
-            exist or is not writable, or the path is a directory.
+            exist or is not writable, the path is a directory, or it is one of ``inputs``.
     """
     target = Path(path)
     if target.suffix.lower() != ".wav":
         raise AudioInputError(f"{target}: the output file must be a .wav file")
+    for source in inputs:
+        try:
+            same = target.exists() and Path(source).exists() and os.path.samefile(source, target)
+        except OSError:
+            same = False
+        if same:
+            raise AudioInputError(f"{target}: is the input file; choose another path (the input is never overwritten)")
     if target.is_dir():
         raise AudioInputError(f"{target}: is a directory")
     if not target.parent.is_dir():

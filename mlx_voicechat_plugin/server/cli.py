@@ -202,6 +202,21 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve", ha
             signal.signal(signal.SIGTERM, previous)
 
 
+def _api_key_problem(key: str | None, argv: list[str]) -> str | None:
+    """Why the API key cannot be used, or None. An empty key (``--api-key ""``, or an
+    unset shell variable expanded into it) would serve without authentication; a key with
+    surrounding whitespace could never match (HTTP header values are trimmed)."""
+    if key is None:
+        return None
+    given = any(arg == "--api-key" or arg.startswith("--api-key=") for arg in argv)
+    name = "--api-key" if given else "MLX_VOICECHAT_API_KEY"
+    if not key.strip():
+        return f"{name} is empty; give a key, or leave it out to accept clients without one"
+    if key != key.strip():
+        return f"{name} starts or ends with whitespace, which no client can send in a header; remove it"
+    return None
+
+
 def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -211,6 +226,10 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
     note = ignored_note(args)
     if note:
         print(note, file=sys.stderr)
+    key_problem = _api_key_problem(args.api_key, argv)
+    if key_problem:
+        print(f"error: {key_problem}", file=sys.stderr)
+        return EXIT_USAGE
     from ..versions import problem
 
     unsupported = problem()  # an mlx-vlm outside the supported range: one line, no traceback
