@@ -216,6 +216,33 @@ def test_one_stream_for_both_keeps_the_text_before_the_audio_line(tiny, tmp_path
     assert all(line.count("[audio] wrote") <= 1 and not ("[assistant]" in line and "[audio]" in line) for line in lines)
 
 
+@pytest.mark.parametrize("mode", [[], ["--stream"]], ids=["offline", "stream"])
+@pytest.mark.parametrize("reader", ["closed", "gone"])
+def test_text_nobody_reads_is_dropped_and_the_answer_still_written(tiny, tmp_path, mode, reader):
+    """Standard output closed (``>&-``) or its reader gone after one byte (``| head -c1``, a
+    broken pipe): exit 0, the WAV written, no traceback."""
+    output = tmp_path / "a.wav"
+    command = [console_script(), "generate", "--model", tiny, "--audio", SPEECH_WAV, "--output-audio", str(output),
+               *SHORT, *mode]
+    env = _subprocess_env()
+    env.pop("PYTHONUNBUFFERED", None)
+    if reader == "closed":
+        completed = subprocess.run(
+            ["sh", "-c", '"$@" >&-', "sh", *map(str, command)], stderr=subprocess.PIPE, env=env, timeout=120,
+        )
+        code, err = completed.returncode, completed.stderr.decode()
+    else:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        assert len(process.stdout.read(1)) == 1
+        process.stdout.close()  # the reader goes away: the next write gets EPIPE
+        _, err = process.communicate(timeout=120)
+        code, err = process.returncode, err.decode()
+    assert code == 0, err
+    assert "Traceback" not in err and "Exception ignored" not in err and "Broken pipe" not in err, err
+    assert f"[audio] wrote {output}" in err
+    assert_answer_wav(output)
+
+
 def test_mlx_vlm_generate_route_subprocess(tiny, baseline, tmp_path):
     output = tmp_path / "r.wav"
     # mlx-vlm's spelling: the prompt as several words.

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STATUS_HELP, EXIT_USAGE
 from . import OFFLINE_COMMAND, chat_refusal  # noqa: F401 - chat_refusal: part of the CLI API
 from .compat import GENERATE_FLAGS, add_mlx_vlm_options, ignored_note
-from .output import labelled
+from .output import droppable_stdout, labelled
 
 #: Most silence ``--extra-decoding-seconds`` may append (spec "Limits"; the runtime enforces
 #: the same cap, this only reports it with the flag's spelling before any work is done).
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat generate")
     try:
         for note in _check_arguments(args):
             print(note, file=sys.stderr)
-        return _run(args)
+        with droppable_stdout():  # text nobody can read is dropped; the WAV is still written
+            return _run(args)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -3,10 +3,17 @@
 A random-weight demo checkpoint decodes control bytes (0x01, 0x0e Shift Out, ...) that
 can garble a terminal. On a terminal they are shown escaped (``\\x0e``); written to a
 file or a pipe, text is printed unchanged so scripts see the model's exact output.
+
+A command whose product is a file (the answer WAV) prints its text through
+:func:`droppable_stdout`: with standard output closed (``>&-``) or its reader gone (``| head
+-1``, a broken pipe) the text is dropped and the command still writes its file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from typing import TextIO
 
 # Every C0/C1 control character except tab and newline.
@@ -27,3 +34,63 @@ def for_stream(text: str, stream: TextIO) -> str:
 def labelled(label: str, text: str, stream: TextIO) -> str:
     """``"[label] text"`` for printing to ``stream`` (see :func:`for_stream`)."""
     return f"[{label}] {for_stream(text, stream)}"
+
+
+class DroppableText:
+    """A text stream that drops what it cannot deliver instead of failing the command.
+
+    Args:
+        stream: the real standard output, or None (closed at start: Python sets
+            ``sys.stdout`` to None).
+
+    Attributes:
+        dropped: True once the text is being dropped (no stream, or a broken pipe; the
+            descriptor is then pointed at ``os.devnull`` so that the interpreter's final
+            flush stays quiet).
+    """
+
+    def __init__(self, stream: TextIO | None):
+        self._stream = stream
+        self.dropped = stream is None
+
+    def write(self, text: str) -> int:
+        if not self.dropped:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._drop()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.dropped:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._drop()
+
+    def isatty(self) -> bool:
+        return not self.dropped and self._stream.isatty()
+
+    def _drop(self) -> None:
+        self.dropped = True
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+
+    def __getattr__(self, name: str):
+        if self._stream is None:
+            raise AttributeError(name)
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def droppable_stdout():
+    """``sys.stdout`` as a :class:`DroppableText` for the duration (restored after)."""
+    previous = sys.stdout
+    sys.stdout = wrapper = DroppableText(previous)
+    try:
+        yield wrapper
+    finally:
+        wrapper.flush()
+        sys.stdout = previous
