@@ -36,12 +36,11 @@ def resolve_checkpoint(model: str | Path) -> Path:
         raise CheckpointError(f"{config}: not a readable JSON file ({error})") from None
     if not isinstance(parsed, dict):
         raise CheckpointError(f"{config}: must hold a JSON object")
-    model_type = parsed.get("model_type")
-    model_type = model_type.lower() if isinstance(model_type, str) else None
+    given = parsed.get("model_type")
+    model_type = given.lower() if isinstance(given, str) else None
     if model_type != MODEL_TYPE:
-        raise CheckpointError(
-            f"{model}: model_type is {model_type!r}, not {MODEL_TYPE!r}"
-        )
+        shown = "missing" if "model_type" not in parsed else f"{given!r}"[:80]
+        raise CheckpointError(f"{model}: model_type is {shown}, not {MODEL_TYPE!r}")
     return config.parent
 
 

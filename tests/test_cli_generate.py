@@ -243,6 +243,36 @@ def test_text_nobody_reads_is_dropped_and_the_answer_still_written(tiny, tmp_pat
     assert_answer_wav(output)
 
 
+_FAILING_TURN = """
+import sys
+import mlx_voicechat_plugin.runtime.offline as offline
+real, calls = offline.speech_step, []
+def failing(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+        raise RuntimeError("injected EAR-TTS failure")
+    return real(*args, **kwargs)
+offline.speech_step = failing
+from mlx_voicechat_plugin.cli.generate import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_failure_mid_turn_exits_1_while_the_workers_still_run(tiny, tmp_path):
+    """EAR-TTS failing on the third frame of a long turn, while the language model and RNNT
+    worker threads still evaluate: one error line and exit 1 (the process used to abort
+    with 134, "terminate called without an active exception")."""
+    output = tmp_path / "a.wav"
+    completed = subprocess.run(
+        [sys.executable, "-c", _FAILING_TURN, "--model", tiny, "--audio", SPEECH_WAV, "--output-audio", str(output),
+         "--extra-decoding-seconds", "20"],
+        capture_output=True, text=True, env=_subprocess_env(), timeout=180,
+    )
+    assert completed.returncode == 1, completed.stderr
+    assert "error: injected EAR-TTS failure" in completed.stderr and "terminate" not in completed.stderr
+    assert not output.exists()
+
+
 def test_mlx_vlm_generate_route_subprocess(tiny, baseline, tmp_path):
     output = tmp_path / "r.wav"
     # mlx-vlm's spelling: the prompt as several words.

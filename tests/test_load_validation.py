@@ -55,6 +55,14 @@ CASES = {
     "rnnt_blank_id": (_wrong_blank, ("rnnt_blank_id",)),
     # upstream's sampler fails with a shape error mid-frame without guidance
     "guidance_scale": (_set("tts_config", "guidance_scale", 0.0), ("tts_config.guidance_scale", "0.0")),
+    # loaded, then aborted the process at the first frame (exit 134)
+    "sliding_window": (_set("tts_config", "sliding_window", 0), ("tts_config.sliding_window", "positive integer", "0")),
+    "n_fft": (_set("audio_config", "preprocessor", "n_fft", -1), ("audio_config.preprocessor.n_fft", "-1")),
+    "hidden_size_string": (_set("text_config", "hidden_size", "64"), ("text_config.hidden_size", "'64'")),
+    "rnnt_vocabulary_ints": (
+        lambda config: config.__setitem__("rnnt_vocabulary", list(range(len(config["rnnt_vocabulary"])))),
+        ("rnnt_vocabulary", "list of strings"),
+    ),
 }
 
 
@@ -99,6 +107,19 @@ def test_unmodified_checkpoint_passes_validation(checkpoint):
 def test_load_rejects_other_model_type_as_checkpoint_error(checkpoint, tmp_path):
     other = _edited_copy(checkpoint("tiny"), tmp_path / "llama", _set("model_type", "llama"))
     with pytest.raises(CheckpointError, match=r"model_type is 'llama', not 'nemotron_voicechat'"):
+        load(other)
+
+
+@pytest.mark.parametrize(("value", "shown"), [(5, "model_type is 5,"), (None, "model_type is None,"), ("missing", "model_type is missing,")])
+def test_load_names_a_model_type_that_is_not_a_string(checkpoint, tmp_path, value, shown):
+    def edit(config: dict) -> None:
+        if value == "missing":
+            del config["model_type"]
+        else:
+            config["model_type"] = value
+
+    other = _edited_copy(checkpoint("tiny"), tmp_path / "other", edit)
+    with pytest.raises(CheckpointError, match=shown):
         load(other)
 
 

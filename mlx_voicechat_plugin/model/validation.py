@@ -7,6 +7,18 @@ from .errors import VoiceChatConfigError
 SUPPORTED_SPEAKER = "Aria"
 INPUT_SAMPLE_RATE = 16_000
 
+#: Sizes that must be positive integers; a zero, negative, fractional or string value would
+#: otherwise load and then fail inside MLX at the first frame (a sliding window of 0 even
+#: aborted the process).
+POSITIVE_SIZES = (
+    "text_config.vocab_size", "text_config.hidden_size",
+    "tts_config.hidden_size", "tts_config.num_hidden_layers", "tts_config.num_attention_heads",
+    "tts_config.num_key_value_heads", "tts_config.head_dim", "tts_config.sliding_window",
+    "tts_config.sliding_window_pattern",
+    "audio_config.preprocessor.features", "audio_config.preprocessor.n_fft",
+    "codec_config.n_fft", "codec_config.hop_length",
+)
+
 
 def validate_config(config) -> None:
     """Reject configurations the runtime cannot serve faithfully.
@@ -19,7 +31,8 @@ def validate_config(config) -> None:
             16 kHz (or a mel preprocessor at another rate); EAR-TTS and codec disagreeing on
             quantizer count, codebook size or latent width; a codec frame that is not one
             ``frame_duration`` of output audio; a character encoder narrower than EAR-TTS;
-            an RNNT vocabulary that does not match the joint network.
+            an RNNT vocabulary that is not a list of strings or does not match the joint
+            network; a size of :data:`POSITIVE_SIZES` that is not a positive integer.
     """
     problems: list[str] = []
     integer_fields = ("bos_token_id", "eos_token_id", "pad_token_id", "silence_token_id", "rnnt_blank_id",
@@ -30,6 +43,17 @@ def validate_config(config) -> None:
             problems.append(f"{name} must be an integer, got {value!r}")
     if isinstance(config.frame_duration, bool) or not isinstance(config.frame_duration, (int, float)) or not config.frame_duration > 0:
         problems.append(f"frame_duration must be a positive number, got {config.frame_duration!r}")
+    for name in POSITIVE_SIZES:
+        section, _, field = name.rpartition(".")
+        owner = config
+        for part in section.split("."):
+            owner = getattr(owner, part, None)
+        value = getattr(owner, field, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{name} must be a positive integer, got {value!r}")
+    vocabulary = config.rnnt_vocabulary
+    if vocabulary is not None and (not isinstance(vocabulary, list) or not all(isinstance(p, str) for p in vocabulary)):
+        problems.append("rnnt_vocabulary must be a list of strings (the RNNT's word pieces)")
     if problems:
         raise VoiceChatConfigError("unsupported nemotron_voicechat checkpoint: " + "; ".join(problems))
     vocab = config.text_config.vocab_size

@@ -52,6 +52,9 @@ from .workers import Job, Stream
 
 ProgressCallback = Callable[[int, int], None]
 
+#: Longest wait (seconds) for the worker threads to leave MLX after a turn failed.
+WORKER_WAIT_SECONDS = 60.0
+
 
 @dataclass
 class OfflineResult:
@@ -211,6 +214,14 @@ class OfflineSession(VoiceChatSession):
         )  # fmt: skip
         try:
             return self._speak(prompt_frames, total, audio_frames, ids, language_job, transcript_job, progress, rng)
+        except Exception:
+            # The workers leave MLX before the error goes up (the language pass stops at its
+            # next id; the RNNT finishes): a process ending while a worker thread evaluates
+            # aborts instead of exiting with the error.
+            ids.cancel()
+            for job in (language_job, transcript_job):
+                job.wait(timeout=WORKER_WAIT_SECONDS)
+            raise
         finally:
             ids.cancel()
 

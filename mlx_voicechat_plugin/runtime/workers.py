@@ -82,6 +82,13 @@ class Job:
         """Wait for the work; its return value (or its exception, re-raised)."""
         return self._future.result()
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds for the work to end, whatever its outcome (after
+        a failure elsewhere: a process that exits while a worker thread evaluates inside
+        MLX aborts)."""
+        with contextlib.suppress(BaseException):
+            self._future.exception(timeout=timeout)
+
 
 class Stream:
     """Values produced one by one by a :class:`Job`, consumed in order by the caller.
