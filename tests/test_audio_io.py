@@ -122,6 +122,7 @@ def _nonfinite(path: Path, value: float) -> Path:
 
 BAD_INPUTS = {
     "missing": (lambda d: d / "missing.wav", "no such file"),
+    "url": (lambda d: "https://example.com/q.wav", "a URL?"),  # shown as given, not "https:/example.com"
     "directory": (lambda d: d, "is a directory"),
     "text-named-wav": (lambda d: _text(d / "notes.wav"), "not a readable audio file"),
     "empty-wav": (lambda d: _write(d / "empty.wav", np.zeros(0, np.int16)), "no audio samples"),

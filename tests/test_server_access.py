@@ -145,8 +145,8 @@ def test_api_prefix_moves_every_route(prefixed):
     assert prefixed.ws_url.endswith("/voice/v1/realtime")
     _served(prefixed, additional_headers={"Authorization": f"Bearer {KEY}"})
     old = f"ws://{prefixed.host}/v1/realtime"
-    status, _ = _refused(prefixed, url=old, additional_headers={"Authorization": f"Bearer {KEY}"})
-    assert status in (403, 404)
+    status, body = _refused(prefixed, url=old, additional_headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 404 and "/voice/v1/realtime" in body["error"]["message"]
     assert http("GET", prefixed.http_url("/health"))[0] == 200
     assert http("GET", f"http://{prefixed.host}/health")[0] == 404
     status, body = http("GET", prefixed.http_url("/v1/models"))
@@ -156,6 +156,13 @@ def test_api_prefix_moves_every_route(prefixed):
         assert status == 501
         assert "/voice/v1/realtime" in body["error"]["message"]
         assert http("POST", f"http://{prefixed.host}{route}", {})[0] == 404
+
+
+@pytest.mark.parametrize("path", ["/nothere", "/v1/realtime/x", "/v1/realtimes", "/health"])
+def test_an_upgrade_to_another_path_is_404_naming_the_endpoint(plain, path):
+    """Not Starlette's bare 403, which clients read as an Origin refusal."""
+    status, body = _refused(plain, url=f"ws://{plain.host}{path}")
+    assert status == 404 and "/v1/realtime" in body["error"]["message"]
 
 
 # ---------------------------------------------------------------------- Origin

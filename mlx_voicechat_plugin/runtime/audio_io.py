@@ -71,6 +71,8 @@ def read_audio(path: str | Path, sample_rate: int = 16_000, *, max_seconds: floa
 
     source = Path(path)
     if not source.exists():
+        if "://" in str(path):  # Path() would show "https:/host/q.wav"
+            raise AudioInputError(f"{path}: no such file (a URL? give a local audio file; download it first)")
         raise AudioInputError(f"{source}: no such file")
     if source.is_dir():
         raise AudioInputError(f"{source}: is a directory, not an audio file")

@@ -179,4 +179,11 @@ def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engin
 
     for route in CHAT_ROUTES:
         app.add_api_route(settings.path(route), not_implemented, methods=["POST", "GET"])
+
+    @app.websocket("/{path:path}")
+    async def no_such_socket(websocket: WebSocket, path: str):
+        # Starlette refuses an upgrade to an unknown path with 403, which clients read as an
+        # Origin refusal; say what it is.
+        await _deny(websocket, 404, f"no WebSocket endpoint at /{path[:80]}; the realtime endpoint is {realtime_path}")
+
     return app
