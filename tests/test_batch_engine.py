@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 
+from mlx_voicechat_plugin.bench.graph import GraphCounter
 from mlx_voicechat_plugin.runtime.batch import BatchedEngine, SessionLimitError, UnknownSessionError
 from mlx_voicechat_plugin.runtime.stages.lanes import LANES_ENV
 from mlx_voicechat_plugin.runtime.streaming import (
@@ -253,8 +254,6 @@ def test_sessions_prefilling_together_share_one_step_per_token(models, inputs):
     """Sessions whose prompts prefill at the same time run each token as one batched step
     (one host evaluation per tick for all of them, not one each); every session's events
     are still its solo run's."""
-    from mlx_voicechat_plugin.bench.graph import GraphCounter
-
     ours, tokenizer, *_ = models("tiny")
     engine = BatchedEngine(ours, tokenizer)
     opened = [(samples, options, engine.open(options)) for samples, options, _ in inputs if options.system_prompt]
@@ -282,7 +281,8 @@ def test_sessions_prefilling_together_share_one_step_per_token(models, inputs):
 
 def test_a_joining_session_prefills_one_prompt_token_per_tick(models, inputs):
     """The system prompt of a session that joins runs beside the others' frames, one token
-    per tick, and its audio waits for it; every session's events are still its solo run."""
+    per tick as rows of the same step (no evaluation of its own), and its audio waits for
+    it; every session's events are still its solo run."""
     ours, tokenizer, *_ = models("tiny")
     (samples, options, _), *_ = inputs
     samples = np.tile(samples, 8)
@@ -295,14 +295,14 @@ def test_a_joining_session_prefills_one_prompt_token_per_tick(models, inputs):
     engine.push_audio(joining, samples[: 2 * FRAME])  # buffered until the prompt is in
     for tick in range(prompt + 2):
         engine.push_audio(running, samples[tick * FRAME : (tick + 1) * FRAME])
-        results = engine.tick()
-        # The frame step's own time leaves the joining session's prompt row out.
-        if tick < prompt:
-            assert 0.0 < engine.last_frame_seconds < engine.last_tick_seconds
-        else:
-            assert 0.0 < engine.last_frame_seconds <= engine.last_tick_seconds
-        # Ticks stepping a session's first two frames are flagged (one-time costs).
-        assert engine.last_tick_starting == (tick < 2 or prompt <= tick < prompt + 2)
+        with GraphCounter() as counter:
+            results = engine.tick()
+            evaluations = counter.frame().evaluations
+        if 2 <= tick < prompt:  # the frame step's two host round trips, the prompt token's rows inside
+            assert evaluations == 2, (tick, evaluations)  # (a session's first frames evaluate more)
+        assert 0.0 < engine.last_frame_seconds == engine.last_tick_seconds
+        # Ticks with a prompt row or a session's first two frames are flagged (transients).
+        assert engine.last_tick_starting == (tick < prompt + 2)
         for session_id, result in results.items():
             events[session_id] += result.events
         assert len([e for e in results[running].events if e.kind == "audio"]) == 1
@@ -312,6 +312,7 @@ def test_a_joining_session_prefills_one_prompt_token_per_tick(models, inputs):
     prefilling_alone = engine.open(options)
     engine.tick()  # its first prompt token and nothing else: no frame step
     assert engine.last_tick_seconds > 0.0 and engine.last_frame_seconds == 0.0
+    assert engine.last_prompt_seconds == engine.last_tick_seconds  # a prompt-only tick
     engine.cancel(prefilling_alone)
     for session_id in (running, joining):
         engine.flush(session_id, pad_partial=False)

@@ -141,6 +141,27 @@ def test_gather_counts_the_window_from_when_the_waiting_frame_was_due():
     assert lag.oldest_due == pytest.approx(clock.now - 0.12)  # one frame after the first
 
 
+def test_a_prompt_only_tick_runs_only_where_it_ends_before_the_next_frames():
+    clock = Clock()
+    gather = TickGather(0.08, clock=clock)
+    assert gather.prompt_hold(["j"], cost=0.5, period=0.08) == 0.0  # nobody live: run at once
+    gather.pushed("a")  # a's frame arrived and ticked; its next one is due in 80 ms
+    gather.ticked()
+    clock.now += 0.01
+    assert gather.prompt_hold(["a", "j"], cost=0.05, period=0.08) == 0.0  # 70 ms left: fits
+    assert gather.prompt_hold(["a", "j"], cost=0.075, period=0.08) == pytest.approx(LIVE_SECONDS - 0.01)
+    gather.pushed("b")  # b is due 80 ms after its push, a 70 ms from now: the tick starts with b's
+    assert gather.prompt_hold(["a", "b", "j"], cost=0.075, period=0.08) == 0.0
+    clock.now += 0.075  # a's frame is 5 ms late, b's due in 5 ms: the frame tick starts then
+    assert gather.prompt_hold(["a", "b", "j"], cost=0.004, period=0.08) == 0.0
+    assert 0.0 < gather.prompt_hold(["a", "b", "j"], cost=0.006, period=0.08) <= LIVE_SECONDS
+    clock.now += 0.01  # both late: no room, wait for them (a push ends the wait)
+    assert 0.0 < gather.prompt_hold(["a", "b", "j"], cost=0.001, period=0.08) <= LIVE_SECONDS
+    clock.now += LIVE_SECONDS  # both went quiet: nothing to wait for
+    assert gather.prompt_hold(["a", "b", "j"], cost=0.5, period=0.08) == 0.0
+    assert TickGather(0.0).prompt_hold(["a"], cost=1.0, period=0.08) == 0.0  # gathering off
+
+
 def test_lag_clock_paces_bursts_and_resets_after_pauses():
     clock = Clock()
     lag = LagClock(0.08, clock=clock)

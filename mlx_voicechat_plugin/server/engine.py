@@ -70,6 +70,9 @@ AUTO_ADMIT_INTERVAL = 1.0
 DEFAULT_MAX_LAG = 2.0
 #: Frames each batch size runs during the warm-up (the last five are timed).
 WARM_UP_TICKS = 8
+#: A prompt-only tick runs between frame ticks when this multiple of its expected time fits
+#: before the live sessions' next frames (its time varies from tick to tick).
+PROMPT_MARGIN = 1.25
 
 logger = logging.getLogger("mlx_voicechat_plugin.server")
 
@@ -445,7 +448,15 @@ class RealtimeEngine:
 
     def _gather_hold(self) -> float:
         """Seconds the next tick waits for the other live sessions (:mod:`.tick_gather`),
-        counted from when the earliest waiting frame was due (:mod:`.lag_clock`)."""
+        counted from when the earliest waiting frame was due (:mod:`.lag_clock`); a tick
+        that would run only joining sessions' prompt tokens waits while it would still be
+        running when the live sessions' next frames are due
+        (:meth:`~.tick_gather.TickGather.prompt_hold`)."""
+        batch = self._batch
+        if self._waiting and all(session_id in self._prefilling for session_id in self._waiting):
+            # a prompt-only tick costs about its last one (before any: the last tick, more)
+            cost = batch.last_prompt_seconds or batch.last_tick_seconds
+            return self._gather.prompt_hold(batch.session_ids, PROMPT_MARGIN * cost, batch.frame_samples / 16_000)
         dues = [
             due
             for session_id in self._waiting

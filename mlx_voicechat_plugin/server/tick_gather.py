@@ -14,6 +14,12 @@ bound). The window is not shortened when ticks grow
 long: a loaded engine needs the gather most, and splitting its ticks would cost it more. A
 session that has gone quiet (between push-to-talk turns, after its last append) is not
 waited for once it stops being live; one session alone is never held back.
+
+A joining session's system prompt runs one token per tick as rows of the frame ticks, and
+in *prompt-only* ticks in between (:meth:`TickGather.prompt_hold`) only where one ends before
+the live sessions' next frames are expected (each one frame period after its last push):
+run back to back, prompt-only ticks would take the engine whenever a frame arrives, and
+split and delay the live sessions' ticks for as long as the prompt lasts.
 """
 
 from __future__ import annotations
@@ -85,3 +91,31 @@ class TickGather:
         if not missing:
             return 0.0
         return max(0.0, start + self.window - now)
+
+    def prompt_hold(self, open_ids, cost: float, period: float) -> float:
+        """Seconds to hold a tick that would run only prompt tokens (0: run it now).
+
+        Args:
+            open_ids: every open session.
+            cost: the expected seconds of a prompt-only tick.
+            period: the frame period (seconds; a live session's next frame is expected one
+                period after its last push).
+
+        Returns:
+            0 when no session is live, gathering is off, or the tick ends before the frame
+            tick is expected to start (when the last live session's next frame is expected,
+            or ``window`` after the first, whichever comes first); otherwise the seconds
+            until the first live session would stop being live (a push ends the wait
+            sooner).
+        """
+        if self.window <= 0:
+            return 0.0
+        now = self._clock()
+        pushes = [at for session_id in open_ids if now - (at := self._pushed_at.get(session_id, -1e9)) < LIVE_SECONDS]
+        if not pushes:
+            return 0.0
+        arrivals = [at + period for at in pushes]
+        start = min(max(arrivals), min(arrivals) + self.window)
+        if start - now >= cost:
+            return 0.0
+        return max(min(pushes) + LIVE_SECONDS - now, 0.001)

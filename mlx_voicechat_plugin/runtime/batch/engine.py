@@ -89,12 +89,13 @@ class BatchedEngine:
     Attributes:
         frames_processed: frames stepped since the engine was made.
         last_tick_seconds: the last tick that did anything, whole (seconds).
-        last_frame_seconds: that tick's frame step alone (seconds; 0.0 when it stepped no
-            frame): without the prompt-prefill rows of joining sessions, which each tick
-            runs first (one prompt token per session and tick, for a session's first
-            ticks only). A steady-state measure of the tick for admission.
+        last_frame_seconds: that tick's frame step (seconds; 0.0 when it stepped no frame,
+            only prompt tokens).
         last_tick_starting: that tick stepped a session's first :data:`STARTING_FRAMES`
-            frames (a transient, like the prefill).
+            frames, or a joining session's prompt token (rows beside the frames', one token
+            per session and tick): a transient, not the steady tick admission predicts.
+        last_prompt_seconds: the last tick that ran only prompt tokens (no frame), whole
+            (seconds; 0.0 before the first).
 
     Raises:
         ValueError: ``max_sessions`` is not a positive integer, or
@@ -116,6 +117,7 @@ class BatchedEngine:
         self.last_tick_seconds = 0.0
         self.last_frame_seconds = 0.0
         self.last_tick_starting = False
+        self.last_prompt_seconds = 0.0
         self._slots: dict[str, _Slot] = {}
         self._ids = itertools.count()
         self._thread = threading.get_ident()
@@ -264,21 +266,21 @@ class BatchedEngine:
         stepping: list[tuple[str, _Slot, np.ndarray]] = []
         start = time.perf_counter()
         prefilling = [(session_id, slot) for session_id, slot in self._slots.items() if slot.prefill]
-        if prefilling:  # before any frame leaves a buffer: an interrupt here loses none
-            self._prefill_rows(prefilling, results)
-        frames_start = time.perf_counter()
         for session_id, slot in list(self._slots.items()):
-            if slot.prefill or session_id in results:
+            if slot.prefill:
                 continue
             frame = self._take_frame(session_id, slot, results)
             if frame is not None:
                 stepping.append((session_id, slot, frame))
-        starting = any(slot.session.frame_index < STARTING_FRAMES for _, slot, _ in stepping)
+        starting = bool(prefilling) or any(slot.session.frame_index < STARTING_FRAMES for _, slot, _ in stepping)
         if stepping:
+            prompts = [(slot.session.state, slot.prefill.pop(0)) for _, slot in prefilling]
+            failure: BaseException | None = None
             try:  # a failing step fails its sessions' states (step_frames)
-                outputs = self._step(stepping)
+                outputs = self._step(stepping, prompts)
             except Exception as error:  # noqa: BLE001 - reported per session
                 outputs = [error] * len(stepping)
+                failure = error
             for (session_id, slot, _), events in zip(stepping, outputs):
                 if isinstance(events, BaseException):
                     finished = slot.session.closed  # failed inside its frame: state unusable
@@ -288,11 +290,22 @@ class BatchedEngine:
                     continue
                 results.setdefault(session_id, TickResult()).events.extend(events)
                 self.frames_processed += 1
+            for session_id, slot in prefilling:
+                if failure is not None:  # failed with the shared step
+                    slot.session.close()
+                    self._slots.pop(session_id, None)
+                    results[session_id] = TickResult(error=failure, finished=True)
+                else:
+                    results.setdefault(session_id, TickResult())
+        elif prefilling:
+            self._prefill_rows(prefilling, results)
         if stepping or results:
             end = time.perf_counter()
             self.last_tick_seconds = end - start
-            self.last_frame_seconds = end - frames_start if stepping else 0.0
+            self.last_frame_seconds = end - start if stepping else 0.0
             self.last_tick_starting = starting
+            if prefilling and not stepping:
+                self.last_prompt_seconds = end - start
         for session_id, slot in list(self._slots.items()):
             left = slot.pending.shape[0]
             if slot.prefill:
@@ -306,16 +319,19 @@ class BatchedEngine:
                 result.finished = True
         return results
 
-    def _step(self, stepping: list) -> list:
-        """One frame of each stepping session: :func:`~..streaming.step.step_frames` over
-        their states; one session runs its own ``push_audio`` (the same step, ``B = 1``)."""
-        if len(stepping) == 1:
+    def _step(self, stepping: list, prompts: list) -> list:
+        """One frame of each stepping session, and the next prompt token of each joining
+        one (``prompts``: ``(state, token)``), in one :func:`~..streaming.step.step_frames`;
+        one session alone runs its own ``push_audio`` (the same step, ``B = 1``)."""
+        if len(stepping) == 1 and not prompts:
             _, slot, frame = stepping[0]
             try:
                 return [slot.session.push_audio(frame, self.model.config.input_sample_rate)]
             except Exception as error:  # noqa: BLE001 - reported for this session
                 return [error]
-        return step_frames([slot.session.state for _, slot, _ in stepping], [frame for *_, frame in stepping])
+        return step_frames(
+            [slot.session.state for _, slot, _ in stepping], [frame for *_, frame in stepping], prompts
+        )
 
     def _prefill_rows(self, prefilling: list[tuple[str, _Slot]], results: dict) -> None:
         """Run the next system-prompt token of every prefilling session in one batched step

@@ -39,23 +39,28 @@ from .events import AssistantTextDelta, Audio, FunctionDelta, UserTranscriptDelt
 from .profile import FrameClock, sub_stages_requested
 
 
-def step_frames(states: list, frames: list[np.ndarray]) -> list:
+def step_frames(states: list, frames: list[np.ndarray], prompts: list | None = None) -> list:
     """Advance each session by exactly one frame, all of them in one step.
 
     Args:
         states: distinct open :class:`~.state.SessionState` objects of one model (the
             caller checks limits and threads).
         frames: per session its ``(1280,)`` float32 frame (16 kHz samples).
+        prompts: joining sessions' ``(state, token)`` pairs, each running its next
+            system-prompt token in the same step, as rows beside the frames' in the
+            language model and EAR-TTS (each row's state ends as :func:`prefill_rows` of
+            that token leaves it: the rows are independent); no events.
 
     Returns:
-        Per session the frame's events, or the exception its own front end raised (that
-        session is failed and left out of the rest of the step).
+        Per session of ``states`` the frame's events, or the exception its own front end
+        raised (that session is failed and left out of the rest of the step).
 
     Raises:
         Whatever a shared stage raises, or an interrupt (``BaseException``) anywhere in
-        the step: every session of the step is failed first (their states may be partly
-        advanced).
+        the step: every session of the step (``prompts``' included) is failed first
+        (their states may be partly advanced).
     """
+    prompts = prompts or []
     results: list = [None] * len(states)
     members, inputs, rows = [], [], []
     try:
@@ -69,12 +74,14 @@ def step_frames(states: list, frames: list[np.ndarray]) -> list:
             members.append(state)
             rows.append(index)
         if not members:
+            if prompts:
+                prefill_rows([state for state, _ in prompts], [token for _, token in prompts])
             return results
         profiling = any(state.profiling for state in members)
         clock = FrameClock(members[0].frame_index, profiling, profiling and sub_stages_requested())
-        outputs = _step(members, inputs, clock)
+        outputs = _step(members, inputs, clock, prompts)
     except BaseException as error:  # a shared stage, or an interrupt: states partly advanced
-        for state in states:
+        for state in [*states, *(state for state, _ in prompts)]:
             if not state.closed:
                 state.fail(error)
         raise
@@ -187,9 +194,10 @@ def _store_keys(states: list, keyed: list) -> None:
             states[row].rng.key = key
 
 
-def _step(states: list, inputs: list, clock: FrameClock) -> list[list]:
+def _step(states: list, inputs: list, clock: FrameClock, prompts: list) -> list[list]:
     model = states[0].model
     count = len(states)
+    joining = [state for state, _ in prompts]
     encoded, projected = _perceive(states, inputs, clock)
     if clock.enabled:
         clock.stage("perception", encoded, projected, *(a for s in states if s.encoder is not None for a in s.encoder.state_arrays()))
@@ -199,10 +207,13 @@ def _step(states: list, inputs: list, clock: FrameClock) -> list[list]:
     if firsts is not None:
         clock.stage("rnnt", firsts)
 
-    text_logits, function_logits = language_step(model, [s.language for s in states], _fuse(model, states, projected))
+    fused = _fuse(model, states, projected)
+    if prompts:  # the joining sessions' prompt-token rows (prefill_rows' input) after the frames'
+        fused = mx.concatenate([fused, _fuse(model, joining, _prompt_embeddings(model, prompts))], axis=0)
+    text_logits, function_logits = language_step(model, [s.language for s in [*states, *joining]], fused)
     clock.mark("language.llm", text_logits)
-    text_ids = mx.argmax(text_logits[:, -1], axis=-1).astype(mx.int32)
-    function_ids = mx.argmax(function_logits[:, -1], axis=-1).astype(mx.int32)
+    text_ids = mx.argmax(text_logits[:count, -1], axis=-1).astype(mx.int32)
+    function_ids = mx.argmax(function_logits[:count, -1], axis=-1).astype(mx.int32)
     ids = mx.concatenate([text_ids, function_ids] + ([firsts] if firsts is not None else []))
     clock.stage("language", ids)
     flat = ids.tolist()  # the step's first host round trip: ids and first RNNT symbols
@@ -216,7 +227,8 @@ def _step(states: list, inputs: list, clock: FrameClock) -> list[list]:
     if any(rest is not None for rest in rests):
         clock.stage("rnnt", *(rest for rest in rests if rest is not None))
 
-    codes, keyed = _speak(model, states, [row[0] for row in values], clock)
+    pad = model.config.pad_token_id
+    codes, keyed = _speak(model, [*states, *joining], [row[0] for row in values] + [pad] * len(joining), clock)
     clock.stage("tts", *codes)
 
     def decode(part: range) -> list[tuple[mx.array, mx.array]]:
@@ -239,9 +251,10 @@ def _step(states: list, inputs: list, clock: FrameClock) -> list[list]:
         arrays = [array for row in per_row for array in row] + keys
     else:  # the lanes' arrays in turn, so that both lanes' streams run at once
         arrays = [*evaluation_order(model, per_row), *keys]
-    mx.eval(*arrays)  # the step's second host round trip
+    joined = [array for state in joining for array in (*state.language.state_arrays(), *state.speech.state_arrays())]
+    mx.eval(*arrays, *codes[count:], *joined)  # the step's second host round trip
     states[0].speech.evaluated()
-    _store_keys(states, keyed)
+    _store_keys([*states, *joining], keyed)
     clock.sync()
     clock.stage("codec")
 
@@ -293,6 +306,12 @@ def prefill(state, tokens: list[int]) -> None:
         prefill_rows([state], [token])
 
 
+def _prompt_embeddings(model, prompts: list) -> mx.array:
+    """``(P, 1, hidden)``: each joining session's prompt token embedded (the audio slot of
+    its LLM input while it prefills)."""
+    return model.stt_model.embed_tokens(mx.array([[token] for _, token in prompts], dtype=mx.int32))
+
+
 def prefill_rows(states: list, tokens: list[int]) -> None:
     """One system-prompt token for each of ``B`` sessions, batched (spec step 3): each
     token's embedding takes the audio slot of the LLM input; EAR-TTS steps on the pad text
@@ -311,7 +330,7 @@ def prefill_rows(states: list, tokens: list[int]) -> None:
     model = states[0].model
     pad = model.config.pad_token_id
     try:
-        embeds = model.stt_model.embed_tokens(mx.array([[token] for token in tokens], dtype=mx.int32))
+        embeds = _prompt_embeddings(model, list(zip(states, tokens)))
         text_logits, function_logits = language_step(model, [state.language for state in states], _fuse(model, states, embeds))
         codes, keyed = _speak(model, states, [pad] * len(states), None)
         mx.eval(
