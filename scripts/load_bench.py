@@ -22,6 +22,10 @@ frames, frames per tick and the mean tick; then:
 * the batched tick of the largest N against one caller's tick (mean tick per tick, from the
   server's ``/metrics``), the ratio the batched engine targets at <= 1.6.
 
+``--join-prompt-words N`` also has sessions join while the callers talk, one after another,
+each with an N-word system prompt, and prints each join's seconds to ``session.updated``:
+how a long prompt's prefill shares the engine with live callers.
+
 ``--soak`` (with long ``--seconds``, e.g. 600) also prints, per minute of audio, the latency
 p50 / p99 over all callers and the server process's resident memory (sampled every 10 s).
 
@@ -112,9 +116,19 @@ def _load(url: str, callers: int, args, speech, server: Server | None = None, re
     sampler = threading.Thread(target=sample, daemon=True)
     if args.soak and server is not None:
         sampler.start()
+    async def measured():
+        load = run_load(url, callers, args.seconds, args.stagger, [speech], "default",
+                        timeout=args.seconds + 600, compare=args.compare, retry=retry)
+        if not args.join_prompt_words:
+            return await load
+        joins: list[dict] = []
+        report, _ = await asyncio.gather(load, _joins(url, callers, args, joins))
+        report["joins"] = joins
+        print("#   joins: " + json.dumps(joins), flush=True)
+        return report
+
     try:
-        report = asyncio.run(run_load(url, callers, args.seconds, args.stagger, [speech], "default",
-                                      timeout=args.seconds + 600, compare=args.compare, retry=retry))
+        report = asyncio.run(measured())
     finally:
         stop.set()
     if args.soak:
@@ -123,6 +137,33 @@ def _load(url: str, callers: int, args, speech, server: Server | None = None, re
         print(f"#   server RSS MiB every 10 s: {[value for _, value in rss]}", flush=True)
         report["rss_mib"] = rss
     return report
+
+
+JOIN_SENTENCE = "Please answer briefly and kindly, in plain words, and ask again when unsure."
+
+
+async def _joins(url: str, callers: int, args, joins: list[dict]) -> None:
+    """``--join-prompt-words``: from 3 s into the run until 2 s before the callers' audio
+    ends, one session after another opens with a system prompt of that many words, waits
+    for ``session.updated`` (or an error) and leaves; appends each join's outcome and
+    seconds to ``joins``."""
+    import websockets
+
+    words = JOIN_SENTENCE.split()
+    prompt = " ".join(words[i % len(words)] for i in range(args.join_prompt_words))
+    began = time.monotonic()
+    await asyncio.sleep(3.0)
+    while time.monotonic() - began < args.stagger * callers + args.seconds - 2.0:
+        started = time.monotonic()
+        async with websockets.connect(url, max_size=None, proxy=None) as ws:
+            await ws.send(json.dumps({"type": "session.update", "session": {"system_prompt": prompt, "seed": 99}}))
+            while True:
+                event = json.loads(await asyncio.wait_for(ws.recv(), timeout=600))
+                if event["type"] in ("session.updated", "error"):
+                    break
+        outcome = event["type"] if event["type"] != "error" else event["error"]["code"]
+        joins.append({"outcome": outcome, "seconds": round(time.monotonic() - started, 2)})
+        await asyncio.sleep(1.0)
 
 
 def _row(preset: str, label: str, callers: int, report: dict) -> dict:
@@ -152,6 +193,9 @@ def main() -> int:
     parser.add_argument("--soak", action="store_true", help="per-minute latency and server RSS (long --seconds)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run with the tick gather off")
     parser.add_argument("--server-option", action="append", default=[], help="passed to every server, e.g. --server-option=--tick-budget=off")
+    parser.add_argument("--join-prompt-words", type=int, default=0,
+                        help="while the callers talk, sessions with a system prompt of this many words join one after "
+                             "another (an extra slot); prints each join's seconds to session.updated")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     counts = args.callers or list(range(1, args.max_callers + 1))
@@ -171,7 +215,8 @@ def main() -> int:
                                 "--preset", preset], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             print(f"# {preset}: load average {os.getloadavg()}", flush=True)
             on_time = 0
-            with Server(model, "--max-sessions", str(max(counts)), *args.server_option, log=args.server_log) as server:
+            slots = max(counts) + (1 if args.join_prompt_words else 0)
+            with Server(model, "--max-sessions", str(slots), *args.server_option, log=args.server_log) as server:
                 for callers in counts:
                     row = _row(preset, "gather", callers, _load(server.url, callers, args, speech, server))
                     rows.append(row)
