@@ -8,6 +8,8 @@ step, **one** host round trip (ids and first symbols), the remaining RNNT steps,
 noise and one EAR-TTS step over the guidance rows (the silence codes at a session's first
 position), one codec decode, **one** evaluation of every output, cache and key, then each
 session's events (``docs/architecture.md`` draws it).
+Joining sessions' system-prompt tokens can ride along (``prompts``): rows of the language
+model and EAR-TTS only, each as :func:`prefill_rows` runs it alone.
 
 A session's events are those of its solo run bit for bit on the CPU (see
 :mod:`..batch` on row exactness). On a CPU model the codec, and with
