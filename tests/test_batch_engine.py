@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -277,6 +278,37 @@ def test_sessions_prefilling_together_share_one_step_per_token(models, inputs):
         used = samples[: (len(samples) // FRAME) * FRAME]
         alone = solo(ours, tokenizer, used, options)
         assert comparable(events[session_id]) == comparable(alone)[:-1]
+
+
+def test_a_prompt_prefilled_beside_live_frames_leaves_the_solo_state_bit_for_bit(models, inputs):
+    """Every array of a joining session's state (language-model caches, EAR-TTS caches and
+    fed-back codes, RNG key) after its prompt ran inside other sessions' frame steps equals
+    its state after a solo prefill: its frames then start exactly where they would alone.
+    (The prompt's token embeddings and the frames' projected audio can differ in dtype:
+    stacked into one language-model step, the prompt rows were promoted and drifted.)"""
+    ours, tokenizer, *_ = models("tiny")
+    (samples, options, _), *_ = inputs
+    live_audio = np.tile(samples, 4)
+
+    def state_after_prefill(beside_live: bool) -> list[np.ndarray]:
+        engine = BatchedEngine(ours, tokenizer)
+        if beside_live:
+            live = engine.open(StreamingOptions(seed=5))
+            engine.push_audio(live, live_audio)
+            for _ in range(3):
+                engine.tick()
+        joining = engine.open(options)
+        while engine.prefilling(joining):
+            engine.tick()
+        state = engine.session(joining).state
+        arrays = [*state.language.state_arrays(), *state.speech.state_arrays()]
+        bits = [(str(array.dtype), np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)) for array in arrays]
+        return [*bits, ("rng key", np.array([str(state.rng.key)]))]
+
+    alone, beside = state_after_prefill(False), state_after_prefill(True)
+    assert len(alone) == len(beside)
+    for index, ((dtype_a, a), (dtype_b, b)) in enumerate(zip(alone, beside)):  # bfloat16 compared as its bits
+        assert dtype_a == dtype_b and a.shape == b.shape and np.array_equal(a, b), index
 
 
 def test_a_joining_session_prefills_one_prompt_token_per_tick(models, inputs):

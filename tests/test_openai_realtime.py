@@ -202,8 +202,14 @@ def test_manual_turn_commit_then_response_create(server, question_24k):
         {"type": "session.update", "session": {}},
         {"type": "response.create"},  # refused: a response is already active
         {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}},
+        "{not json",  # refused by the reader: invalid_request
+        [1, 2],
+        # audio drives the model itself; the feeding resumes once the client is quiet
+        {"type": "input_audio_buffer.append", "audio": base64.b64encode(np.zeros(240, "<i2").tobytes()).decode()},
+        {"type": "input_audio_buffer.append", "audio": base64.b64encode(np.zeros(24_000, "<i2").tobytes()).decode()},
     ],
-    ids=["session.update", "duplicate response.create", "conversation.item.create"],
+    ids=["session.update", "duplicate response.create", "conversation.item.create", "invalid JSON", "not an object",
+         "a partial frame of audio", "a second of audio"],
 )
 def test_manual_response_goes_on_after_a_client_event(server, question_24k, interjection):
     with _ga(server) as client:
@@ -215,7 +221,7 @@ def test_manual_response_goes_on_after_a_client_event(server, question_24k, inte
         client.until("conversation.item.done")
         client.send({"type": "response.create", "response": {"max_output_tokens": 12}})
         client.until("response.output_audio.delta")
-        client.send(interjection)
+        client.send(json.dumps(interjection) if isinstance(interjection, list) else interjection)
         events = client.until("response.done", timeout=30)
         done = events[-1]["response"]
         assert done["status"] == "incomplete"  # the fill went on to the token cap

@@ -190,6 +190,26 @@ def test_lag_clock_restarts_after_the_prompt_prefill():
     assert lag.answered() == pytest.approx(0.02)
 
 
+def test_audio_read_during_the_prefill_and_handed_over_after_it_is_due_from_its_end():
+    """A client that streams right after its session.update (or, in the OpenAI dialect,
+    whose first append opens the session): appends read during the prompt's prefill reach
+    the engine only after it, with their reading times; they are due from the prompt's end,
+    not counted seconds late (which closed such sessions at the 2 s bound at their first
+    frame)."""
+    clock = Clock()
+    lag = LagClock(0.08, clock=clock)
+    read_at = clock.now
+    clock.now += 4.0  # a long prompt
+    lag.restart()  # nothing pending yet: the appends are still queued in the connection
+    lag.pushed(3, at=read_at)
+    assert lag.oldest_due == pytest.approx(clock.now)
+    assert lag.answered() == pytest.approx(0.0)
+    clock.now += 0.1
+    assert [lag.answered(), lag.answered()] == pytest.approx([0.02, -0.06])
+    lag.pushed(1, at=clock.now + 1.0)  # later arrivals keep their own times
+    assert lag.oldest_due == pytest.approx(clock.now + 1.0)
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -23,7 +23,7 @@ from mlx_voicechat_plugin.server.engine import AUTO_MAX_SESSIONS, RealtimeEngine
 
 from .conftest import SYSTEM_PROMPT
 from .test_server_access import _free_port
-from .test_server_support import FRAME, Closed, ServerHandle, append, http, server_settings
+from .test_server_support import FRAME, Closed, ServerHandle, append, http, server_settings, update
 
 
 def _engine(tiny, **options) -> RealtimeEngine:
@@ -297,6 +297,42 @@ def test_a_joining_prompt_never_holds_up_the_live_callers(tiny, monkeypatch):
             assert "seconds" in joined  # the prompt completed
             paced = np.asarray(latencies)
             assert float(np.percentile(paced, 95)) < 0.2 and float(paced[-10:].max()) < 0.2, paced.round(3)
+    finally:
+        monkeypatch.undo()
+        engine.stop()
+
+
+def test_audio_sent_while_the_prompt_prefills_is_not_counted_late(tiny, monkeypatch):
+    """A client streams right after its session.update, its prompt taking longer than the
+    2 s lag bound to prefill: its frames are due from the prompt's end, so the session is
+    answered instead of closed as "behind real time" at its first frame."""
+    from mlx_voicechat_plugin.runtime.batch import engine as batch_engine
+
+    real_prefill_rows = batch_engine.prefill_rows
+
+    def slow_prefill_rows(states, tokens):
+        time.sleep(0.02)
+        return real_prefill_rows(states, tokens)
+
+    monkeypatch.setattr(batch_engine, "prefill_rows", slow_prefill_rows)
+    engine = _engine(tiny, max_sessions=2, tick_budget=math.inf, warm_up=False)
+    try:
+        assert engine.max_lag == 2.0
+        with ServerHandle(server_settings(tiny), engine) as server, server.connect() as client:
+            client.created()
+            started = time.monotonic()
+            client.send(update(seed=0, system_prompt=SYSTEM_PROMPT * 6))
+            for _ in range(10):  # pipelined: the appends wait in the connection for the prompt
+                client.send(append(np.zeros(FRAME, np.float32)))
+            assert client.recv_type("session.updated", timeout=60)
+            assert time.monotonic() - started > 2.0  # longer than the lag bound
+            audio = 0
+            while audio < 10:
+                event = client.recv(timeout=30)
+                assert event["type"] != "error", event
+                audio += event["type"] == "response.audio.delta"
+            client.send({"type": "session.cancel"})
+            client.until_closed()
     finally:
         monkeypatch.undo()
         engine.stop()

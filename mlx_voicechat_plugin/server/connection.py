@@ -224,6 +224,19 @@ class Connection:
         remaining = max(self.last_message_at, self.handled_at) + self.settings.idle_timeout - now
         return remaining, f"no client message for {self.settings.idle_timeout:g} s; closing the idle session"
 
+    # ------------------------------------------------------------------ dialect hooks
+    def _quiet_seconds(self) -> float | None:
+        """Seconds without a client message after which :meth:`_on_quiet` runs (None:
+        never; the idle limits still apply)."""
+        return None
+
+    async def _on_quiet(self) -> None:
+        """The client sent nothing for :meth:`_quiet_seconds`."""
+
+    async def _after_item(self, message_type: str | None = None) -> None:
+        """A read item was handled: a message of ``message_type`` dispatched, or (None) a
+        frame answered with an error (invalid JSON, a binary frame, no type)."""
+
     # ------------------------------------------------------------------ main loop
     async def run(self) -> None:
         """Serve the connection until commit, cancel, timeout or disconnect."""
@@ -242,14 +255,20 @@ class Connection:
             await self.send(self.greeting())
             while not self.finished:
                 remaining, reason = self._wait_budget()
+                quiet = self._quiet_seconds()
                 try:
                     if self.inbox.empty():
-                        kind, value = await asyncio.wait_for(self.inbox.get(), timeout=max(remaining, 0.0))
+                        wait = remaining if quiet is None else min(remaining, quiet)
+                        kind, value = await asyncio.wait_for(self.inbox.get(), timeout=max(wait, 0.0))
                     else:  # already queued: never dropped by a timeout (wait_for(..., 0) would)
                         kind, value = self.inbox.get_nowait()
                 except asyncio.TimeoutError:
-                    if self._wait_budget()[0] > 0 or not self.inbox.empty():
+                    if not self.inbox.empty():
                         continue  # a message arrived just now
+                    if self._wait_budget()[0] > 0:
+                        if quiet is not None:
+                            await self._on_quiet()
+                        continue
                     await self.send_error(INVALID_REQUEST, reason)
                     await self._end(CLOSE_POLICY)
                     break
@@ -260,6 +279,7 @@ class Connection:
                     break
                 if kind == "error":
                     await self.send_error(value.code, value.message)
+                    await self._after_item()
                     continue
                 text, self.message_read_at = value
                 value = protocol.parse_message(text)  # parsed once already by the reader
@@ -269,6 +289,7 @@ class Connection:
                         read.popleft()
                 await self._dispatch(value)
                 self.handled_at = time.monotonic()
+                await self._after_item(value.get("type"))
         except _Disconnected:
             pass
         finally:

@@ -30,21 +30,28 @@ class LagClock:
         self._clock = clock
         self._last_due: float | None = None
         self._due: list[float] = []
+        self._not_before: float | None = None
 
     def pushed(self, frames: int = 1, at: float | None = None) -> None:
-        """``frames`` frames arrived at ``at`` (a ``clock`` reading; default now)."""
+        """``frames`` frames arrived at ``at`` (a ``clock`` reading; default now); none is
+        due before the last :meth:`restart` (audio read while the session's prompt was
+        still prefilling, handed over after it)."""
         now = self._clock() if at is None else at
+        if self._not_before is not None:
+            now = max(now, self._not_before)
         for _ in range(frames):
             due = now if self._last_due is None else max(now, self._last_due + self.frame_seconds)
             self._due.append(due)
             self._last_due = due
 
     def restart(self, at: float | None = None) -> None:
-        """Count the pending frames as due from ``at`` (default now) on, one per frame: the
-        session could not run before (its system prompt was still being prefilled)."""
+        """Count the pending frames, and any pushed later with an earlier arrival time, as
+        due from ``at`` (default now) on, one per frame: the session could not run before
+        (its system prompt was still being prefilled)."""
         start = self._clock() if at is None else at
         self._due = [start + k * self.frame_seconds for k in range(len(self._due))]
         self._last_due = self._due[-1] if self._due else None
+        self._not_before = start
 
     def answered(self) -> float | None:
         """The oldest pending frame was answered now: its lag in seconds (None when no frame

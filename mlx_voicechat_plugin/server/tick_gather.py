@@ -15,7 +15,7 @@ long: a loaded engine needs the gather most, and splitting its ticks would cost 
 session that has gone quiet (between push-to-talk turns, after its last append) is not
 waited for once it stops being live; one session alone is never held back.
 
-A joining session's system prompt runs one token per tick as rows of the frame ticks, and
+A joining session's system prompt runs one token per tick inside the frame ticks, and
 in *prompt-only* ticks in between (:meth:`TickGather.prompt_hold`) only where one ends before
 the live sessions' next frames are expected (each one frame period after its last push):
 run back to back, prompt-only ticks would take the engine whenever a frame arrives, and

@@ -5,7 +5,7 @@ advances each session that has a frame ready by one 80 ms frame in the one strea
 (:func:`~..streaming.step.step_frames`, which a solo session runs with ``B = 1``; the stages
 and their shapes: ``docs/architecture.md``). A tick synchronises with the host twice
 whatever the number of sessions; a joining session's system prompt runs one token per tick,
-as rows of that step.
+inside that step.
 
 Row exactness: a session's events equal its solo run bit for bit (ids, codes, audio), which
 holds because every row-wise operation computes each row as a one-row call does: products

@@ -92,7 +92,7 @@ class BatchedEngine:
         last_frame_seconds: that tick's frame step (seconds; 0.0 when it stepped no frame,
             only prompt tokens).
         last_tick_starting: that tick stepped a session's first :data:`STARTING_FRAMES`
-            frames, or a joining session's prompt token (rows beside the frames', one token
+            frames, or a joining session's prompt token (inside the frame step, one token
             per session and tick): a transient, not the steady tick admission predicts.
         last_prompt_seconds: the last tick that ran only prompt tokens (no frame), whole
             (seconds; 0.0 before the first).

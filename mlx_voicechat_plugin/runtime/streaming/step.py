@@ -8,8 +8,9 @@ step, **one** host round trip (ids and first symbols), the remaining RNNT steps,
 noise and one EAR-TTS step over the guidance rows (the silence codes at a session's first
 position), one codec decode, **one** evaluation of every output, cache and key, then each
 session's events (``docs/architecture.md`` draws it).
-Joining sessions' system-prompt tokens can ride along (``prompts``): rows of the language
-model and EAR-TTS only, each as :func:`prefill_rows` runs it alone.
+Joining sessions' system-prompt tokens can ride along (``prompts``): a language-model step
+of their own and rows of the EAR-TTS step, evaluated with the frame step, each session's
+state left as :func:`prefill_rows` leaves it alone.
 
 A session's events are those of its solo run bit for bit on the CPU (see
 :mod:`..batch` on row exactness). On a CPU model the codec, and with
@@ -49,9 +50,9 @@ def step_frames(states: list, frames: list[np.ndarray], prompts: list | None = N
             caller checks limits and threads).
         frames: per session its ``(1280,)`` float32 frame (16 kHz samples).
         prompts: joining sessions' ``(state, token)`` pairs, each running its next
-            system-prompt token in the same step, as rows beside the frames' in the
-            language model and EAR-TTS (each row's state ends as :func:`prefill_rows` of
-            that token leaves it: the rows are independent); no events.
+            system-prompt token in the same step: a language-model step of their own
+            (built lazily, no host round trip) and rows beside the frames' in EAR-TTS;
+            each state ends as :func:`prefill_rows` of that token leaves it; no events.
 
     Returns:
         Per session of ``states`` the frame's events, or the exception its own front end
@@ -209,13 +210,16 @@ def _step(states: list, inputs: list, clock: FrameClock, prompts: list) -> list[
     if firsts is not None:
         clock.stage("rnnt", firsts)
 
-    fused = _fuse(model, states, projected)
-    if prompts:  # the joining sessions' prompt-token rows (prefill_rows' input) after the frames'
-        fused = mx.concatenate([fused, _fuse(model, joining, _prompt_embeddings(model, prompts))], axis=0)
-    text_logits, function_logits = language_step(model, [s.language for s in [*states, *joining]], fused)
+    text_logits, function_logits = language_step(model, [s.language for s in states], _fuse(model, states, projected))
+    if prompts:
+        # The joining sessions' prompt tokens: a language-model step of their own (their
+        # inputs are token embeddings, whose dtype can differ from the frames' projected
+        # audio: stacked, they would be promoted and computed otherwise than alone), built
+        # lazily and evaluated with the frame step; only their caches are kept.
+        language_step(model, [s.language for s in joining], _fuse(model, joining, _prompt_embeddings(model, prompts)))
     clock.mark("language.llm", text_logits)
-    text_ids = mx.argmax(text_logits[:count, -1], axis=-1).astype(mx.int32)
-    function_ids = mx.argmax(function_logits[:count, -1], axis=-1).astype(mx.int32)
+    text_ids = mx.argmax(text_logits[:, -1], axis=-1).astype(mx.int32)
+    function_ids = mx.argmax(function_logits[:, -1], axis=-1).astype(mx.int32)
     ids = mx.concatenate([text_ids, function_ids] + ([firsts] if firsts is not None else []))
     clock.stage("language", ids)
     flat = ids.tolist()  # the step's first host round trip: ids and first RNNT symbols

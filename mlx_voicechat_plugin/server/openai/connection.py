@@ -31,6 +31,9 @@ FRAME_SAMPLES = protocol.FRAME_SAMPLES
 #: Silence the server feeds the model after ``response.create`` without turn detection (at
 #: most; the response usually ends first).
 MAX_FILL_SECONDS = 60.0
+#: A manual response paused by appended audio resumes its silence feeding once the client
+#: has sent nothing for this long (seconds; three frames).
+FILL_RESUME_QUIET_SECONDS = 0.24
 _TEXT_CONTENT = ("input_text", "text", "output_text")
 
 logger = logging.getLogger("mlx_voicechat_plugin.server.openai")
@@ -135,8 +138,21 @@ class OpenAIConnection(Connection):
                 self._answered_early.discard(self._dispatched_seq)
                 return  # answered ahead of the audio in front of it
         await self._handle(message)
-        if message["type"] != "input_audio_buffer.append" and self._fill_left > 0:
-            await self._fill()  # a manual response goes on after the message (client audio drives it instead)
+
+    async def _after_item(self, message_type: str | None = None) -> None:
+        """A manual response goes on after a handled message or a refused frame; after
+        appended audio (which drives the model itself) once the client is quiet
+        (:meth:`_on_quiet`)."""
+        if message_type != "input_audio_buffer.append" and self._fill_left > 0:
+            await self._fill()
+
+    def _quiet_seconds(self) -> float | None:
+        """While a manual response's silence feeding waits for the client: :data:`FILL_RESUME_QUIET_SECONDS`."""
+        return FILL_RESUME_QUIET_SECONDS if self._fill_left > 0 else None
+
+    async def _on_quiet(self) -> None:
+        if self._fill_left > 0:
+            await self._fill()
 
     async def _handle(self, message: dict) -> None:
         client_event_id = message.get("event_id") if isinstance(message.get("event_id"), str) else None
@@ -299,8 +315,9 @@ class OpenAIConnection(Connection):
     async def _fill(self) -> None:
         """Without turn detection the client has stopped talking: feed silence (the partial
         frame first) until the response ends or :data:`MAX_FILL_SECONDS` of it were fed.
-        A client message pauses it: once handled, the fill goes on (after anything but
-        ``input_audio_buffer.append``: audio from the client drives the model instead)."""
+        A client message pauses it: once handled, the fill goes on (:meth:`_after_item`);
+        after appended audio, which drives the model itself, once the client is quiet for
+        :data:`FILL_RESUME_QUIET_SECONDS` (:meth:`_on_quiet`)."""
         while self._fill_left > 0:
             if not self.timeline.response_active or self.finished:
                 self._fill_left = 0
