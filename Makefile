@@ -35,4 +35,4 @@ bench: $(STAMP)
 		--json artifacts/bench.json --markdown docs/performance-results.md --plot docs/stage_times.png
 
 clean:
-	rm -rf $(VENV) answer.wav response.wav response_vlm.wav response_ws.wav demo-ckpt demo-small artifacts .pytest_cache .hypothesis
+	rm -rf $(VENV) answer.wav response.wav response_vlm.wav response_ws.wav demo-ckpt demo-small artifacts dist .pytest_cache .hypothesis
