@@ -119,13 +119,17 @@ def test_websockets_closed_by_the_server_do_not_hold_slots_while_the_peer_ignore
     settings = server_settings(tiny, max_connections=3, header_timeout=30)
     with ServerHandle(settings, engine) as server, server.connect() as client:
         client.configure()  # holds the session slot (and a connection slot)
-        busy = engine.metrics.rejected.labels(reason="server_busy")
-        before = busy._value.get()
+        def busy() -> float:
+            return engine.metrics.registry.get_sample_value(
+                "voicechat_rejected_connections_total", {"reason": "server_busy"}
+            )
+
+        before = busy()
         ignoring = []
         for _ in range(2):  # each answered server_busy and closed by the server, in this order
             ignoring.append(_upgrade_and_ignore(server.port))
             deadline = time.monotonic() + 20
-            while busy._value.get() < before + len(ignoring) and time.monotonic() < deadline:
+            while busy() < before + len(ignoring) and time.monotonic() < deadline:
                 time.sleep(0.01)
         time.sleep(0.3)  # the close frames go out after the refusal
         status, _ = http("GET", server.http_url("/v1/models"))

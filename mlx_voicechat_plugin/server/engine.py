@@ -456,7 +456,7 @@ class RealtimeEngine:
         if self._waiting and all(session_id in self._prefilling for session_id in self._waiting):
             # a prompt-only tick costs about its last one (before any: the last tick, more)
             cost = batch.last_prompt_seconds or batch.last_tick_seconds
-            return self._gather.prompt_hold(batch.session_ids, PROMPT_MARGIN * cost, batch.frame_samples / 16_000)
+            return self._gather.prompt_hold(batch.session_ids, PROMPT_MARGIN * cost, batch.frame_seconds)
         dues = [
             due
             for session_id in self._waiting
@@ -571,7 +571,7 @@ class RealtimeEngine:
                 batch.open(options, session_id=session_id)
             except (ValueError, TypeError, StreamingError) as error:
                 return Reply(error=ProtocolError(SESSION_INITIALIZATION_FAILED, str(error)))
-            self._lag[session_id] = LagClock(batch.frame_samples / 16_000)
+            self._lag[session_id] = LagClock(batch.frame_seconds)
             if not batch.prefilling(session_id):
                 return Reply()
             self._prefilling.add(session_id)  # its frames are due from the prompt's end on

@@ -3,9 +3,9 @@
 The engine advances every live session by one 80 ms frame per tick (gathered: one tick per
 frame period over every live session, :mod:`.tick_gather`), so a tick of ``n`` rows must
 take less than a frame, or every session falls behind together. :class:`TickBudget`
-predicts the p95 tick of ``n`` rows from steady ticks (the server observes a tick's frame
-step without a joining session's prompt rows, and no tick that steps a session's first
-frames: ``BatchedEngine.last_frame_seconds`` / ``last_tick_starting``), taking
+predicts the p95 tick of ``n`` rows from steady ticks (the server observes no tick that
+carries a joining session's prompt token or steps a session's first frames:
+``BatchedEngine.last_tick_starting``), taking
 
 * every tick of the last :data:`RECENT_SECONDS` (``r`` rows in ``d`` seconds), carried over
   to ``n`` rows by the warm-up's ratio between the two sizes (linearly, ``n / r``, when the

@@ -83,11 +83,7 @@ class TickGather:
         if not ready or self.window <= 0 or start is None:
             return 0.0
         now = self._clock()
-        missing = [
-            session_id
-            for session_id in open_ids
-            if session_id not in ready and now - self._pushed_at.get(session_id, -1e9) < LIVE_SECONDS
-        ]
+        missing = [session_id for session_id in self._live(open_ids, now) if session_id not in ready]
         if not missing:
             return 0.0
         return max(0.0, start + self.window - now)
@@ -111,7 +107,7 @@ class TickGather:
         if self.window <= 0:
             return 0.0
         now = self._clock()
-        pushes = [at for session_id in open_ids if now - (at := self._pushed_at.get(session_id, -1e9)) < LIVE_SECONDS]
+        pushes = list(self._live(open_ids, now).values())
         if not pushes:
             return 0.0
         arrivals = [at + period for at in pushes]
@@ -119,3 +115,13 @@ class TickGather:
         if start - now >= cost:
             return 0.0
         return max(min(pushes) + LIVE_SECONDS - now, 0.001)
+
+    def _live(self, open_ids, now: float) -> dict[str, float]:
+        """The open sessions that pushed audio within :data:`LIVE_SECONDS` of ``now``,
+        each with the time of its last push."""
+        live = {}
+        for session_id in open_ids:
+            at = self._pushed_at.get(session_id)
+            if at is not None and now - at < LIVE_SECONDS:
+                live[session_id] = at
+        return live

@@ -87,6 +87,7 @@ class BatchedEngine:
         max_sessions: most sessions open at once (``None``: unbounded).
 
     Attributes:
+        frame_samples / frame_seconds: one frame (1,280 input samples, 0.08 s).
         frames_processed: frames stepped since the engine was made.
         last_tick_seconds: the last tick that did anything, whole (seconds).
         last_frame_seconds: that tick's frame step (seconds; 0.0 when it stepped no frame,
@@ -113,6 +114,7 @@ class BatchedEngine:
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         self.max_sessions = max_sessions
         self.frame_samples = round(model.config.input_sample_rate * model.config.frame_duration)
+        self.frame_seconds = float(model.config.frame_duration)
         self.frames_processed = 0
         self.last_tick_seconds = 0.0
         self.last_frame_seconds = 0.0

@@ -216,7 +216,7 @@ def _step(states: list, inputs: list, clock: FrameClock, prompts: list) -> list[
         # inputs are token embeddings, whose dtype can differ from the frames' projected
         # audio: stacked, they would be promoted and computed otherwise than alone), built
         # lazily and evaluated with the frame step; only their caches are kept.
-        language_step(model, [s.language for s in joining], _fuse(model, joining, _prompt_embeddings(model, prompts)))
+        _prompt_language(model, prompts)
     clock.mark("language.llm", text_logits)
     text_ids = mx.argmax(text_logits[:, -1], axis=-1).astype(mx.int32)
     function_ids = mx.argmax(function_logits[:, -1], axis=-1).astype(mx.int32)
@@ -257,8 +257,9 @@ def _step(states: list, inputs: list, clock: FrameClock, prompts: list) -> list[
         arrays = [array for row in per_row for array in row] + keys
     else:  # the lanes' arrays in turn, so that both lanes' streams run at once
         arrays = [*evaluation_order(model, per_row), *keys]
+    # the joining sessions' caches and fed-back codes (their codes of this step among them)
     joined = [array for state in joining for array in (*state.language.state_arrays(), *state.speech.state_arrays())]
-    mx.eval(*arrays, *codes[count:], *joined)  # the step's second host round trip
+    mx.eval(*arrays, *joined)  # the step's second host round trip
     states[0].speech.evaluated()
     _store_keys([*states, *joining], keyed)
     clock.sync()
@@ -312,10 +313,13 @@ def prefill(state, tokens: list[int]) -> None:
         prefill_rows([state], [token])
 
 
-def _prompt_embeddings(model, prompts: list) -> mx.array:
-    """``(P, 1, hidden)``: each joining session's prompt token embedded (the audio slot of
-    its LLM input while it prefills)."""
-    return model.stt_model.embed_tokens(mx.array([[token] for _, token in prompts], dtype=mx.int32))
+def _prompt_language(model, prompts: list) -> tuple[mx.array, mx.array]:
+    """The language-model step of ``P`` sessions' system-prompt tokens (``prompts``:
+    ``(state, token)``), built lazily: each token's embedding takes the audio slot of its
+    session's LLM input. Returns ``(text_logits, function_logits)``, each ``(P, 1, vocab)``."""
+    states = [state for state, _ in prompts]
+    embeds = model.stt_model.embed_tokens(mx.array([[token] for _, token in prompts], dtype=mx.int32))
+    return language_step(model, [state.language for state in states], _fuse(model, states, embeds))
 
 
 def prefill_rows(states: list, tokens: list[int]) -> None:
@@ -336,8 +340,7 @@ def prefill_rows(states: list, tokens: list[int]) -> None:
     model = states[0].model
     pad = model.config.pad_token_id
     try:
-        embeds = _prompt_embeddings(model, list(zip(states, tokens)))
-        text_logits, function_logits = language_step(model, [state.language for state in states], _fuse(model, states, embeds))
+        text_logits, function_logits = _prompt_language(model, list(zip(states, tokens)))
         codes, keyed = _speak(model, states, [pad] * len(states), None)
         mx.eval(
             *codes,

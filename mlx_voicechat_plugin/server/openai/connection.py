@@ -323,7 +323,7 @@ class OpenAIConnection(Connection):
                 self._fill_left = 0
                 return
             if not self.inbox.empty():
-                return  # handled first; _dispatch resumes the fill
+                return  # handled first; _after_item or _on_quiet resumes the fill
             self._fill_left -= 1
             frame = np.zeros(FRAME_SAMPLES, np.float32)
             frame[: self.pending.shape[0]] = self.pending
