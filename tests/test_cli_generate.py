@@ -243,6 +243,24 @@ def test_text_nobody_reads_is_dropped_and_the_answer_still_written(tiny, tmp_pat
     assert_answer_wav(output)
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("mode", [[], ["--stream"]], ids=["offline", "stream"])
+def test_text_that_cannot_be_written_is_reported_and_the_answer_still_written(tiny, tmp_path, mode):
+    """Standard output on a full disk (``>/dev/full``: every write fails with ENOSPC): the
+    WAV is written, one error line names the failed write, exit 1, no traceback."""
+    output = tmp_path / "a.wav"
+    command = [console_script(), "generate", "--model", tiny, "--audio", SPEECH_WAV, "--output-audio", str(output),
+               *SHORT, *mode]
+    with open("/dev/full", "w") as full:
+        completed = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, env=_subprocess_env(), timeout=120)
+    err = completed.stderr.decode()
+    assert completed.returncode == 1, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert f"[audio] wrote {output}" in err
+    assert "could not write the text to standard output" in err and "No space left" in err, err
+    assert_answer_wav(output)
+
+
 _FAILING_TURN = """
 import sys
 import mlx_voicechat_plugin.runtime.offline as offline

@@ -100,6 +100,18 @@ def test_cancel_is_barge_in_the_rest_of_the_speech_is_muted_until_quiet():
     assert caught.value.code == "response_cancel_not_active"
 
 
+def test_cancelling_another_response_id_names_the_active_one_and_keeps_it():
+    line = Timeline(SessionConfig())
+    created = line.create_response(requested=True)
+    active = created[0]["response"]["id"]
+    with pytest.raises(RealtimeError) as caught:
+        line.cancel_response("resp_other")
+    assert caught.value.code == "response_cancel_not_active" and caught.value.param == "response_id"
+    assert "'resp_other' is not active" in caught.value.message and active in caught.value.message
+    assert line.response_active  # nothing was cancelled
+    assert line.cancel_response(active)[-1]["response"]["status"] == "cancelled"
+
+
 def test_without_create_response_the_model_speaks_only_in_requested_responses():
     config = apply_update(SessionConfig(), {"audio": {"input": {"turn_detection": {"type": "server_vad", "create_response": False}}}})
     line = Timeline(config)

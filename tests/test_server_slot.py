@@ -108,17 +108,22 @@ def test_slot_is_released_when_the_client_closes_during_a_long_append(server, au
     _assert_admitted(server, audio)
 
 
+def _prefill_seconds(server, prompt: str) -> float:
+    """How long ``prompt`` takes to prefill on this server now (session.update to session.updated)."""
+    with server.connect() as timed:
+        timed.created()
+        started = time.monotonic()
+        timed.send({"type": "session.update", "session": {"system_prompt": prompt}})
+        timed.recv_type("session.updated", timeout=120)
+        return time.monotonic() - started
+
+
 @pytest.mark.parametrize("leave", ["close", "drop"])
 def test_slot_is_released_at_once_when_the_client_leaves_while_its_prompt_prefills(server, audio, leave):
     """A long system prompt runs one token per tick before session.updated; a client that
     leaves meanwhile gives its slot back at once, not when the whole prompt has run."""
     prompt = "ab cd " * 125  # about 500 tokens (the limit is 512)
-    with server.connect() as timed:  # how long this prompt takes to prefill here
-        timed.created()
-        started = time.monotonic()
-        timed.send({"type": "session.update", "session": {"system_prompt": prompt}})
-        timed.recv_type("session.updated", timeout=120)
-        prefill = time.monotonic() - started
+    prefill = _prefill_seconds(server, prompt)
     server.wait_slot_free()
     first = server.connect()
     first.created()
@@ -134,6 +139,47 @@ def test_slot_is_released_at_once_when_the_client_leaves_while_its_prompt_prefil
     released = time.monotonic() - left
     assert released < max(0.5, prefill / 3), (released, prefill)
     _assert_admitted(server, audio)
+
+
+@pytest.mark.parametrize("ending", ["session.cancel", "response.cancel"])
+def test_a_cancel_while_the_prompt_prefills_is_answered_at_once(server, audio, ending):
+    """A cancel read while a long system prompt still prefills (audio queued before it)
+    stops the prefill: session.updated, response.cancelled at frame 0 and close 1000 come
+    at once, and the slot is free, not when the whole prompt has run."""
+    prompt = "ab cd " * 125  # about 500 tokens (the limit is 512)
+    prefill = _prefill_seconds(server, prompt)
+    server.wait_slot_free()
+    with server.connect() as first:
+        first.created()
+        first.send({"type": "session.update", "session": {"system_prompt": prompt}})
+        first.send(append(audio))
+        time.sleep(0.2)
+        assert server.health()["session_slot"] == "busy"
+        sent = time.monotonic()
+        first.send({"type": ending})
+        events, code = first.until_closed(timeout=prefill + 30)
+        answered = time.monotonic() - sent
+    assert [event["type"] for event in events] == ["session.updated", "response.cancelled"], events
+    assert events[1]["frame_index"] == 0 and code == 1000
+    assert answered < max(0.5, prefill / 3), (answered, prefill)
+    server.wait_slot_free(timeout=5)
+    _assert_admitted(server, audio)
+
+
+def test_a_commit_before_a_cancel_while_the_prompt_prefills_still_runs_its_audio(server, audio):
+    """Only a cancel ahead of any commit stops the prefill: a commit read first flushes the
+    audio before it once the prompt has run (the cancel after it is never reached)."""
+    with server.connect() as first:
+        first.created()
+        first.send({"type": "session.update", "session": {"system_prompt": "ab cd " * 40}})
+        first.send(append(audio))
+        first.send({"type": "input_audio_buffer.commit"})
+        first.send({"type": "session.cancel"})
+        events, code = first.until_closed(timeout=120)
+    kinds = [event["type"] for event in events]
+    assert kinds[0] == "session.updated" and "input_audio_buffer.committed" in kinds, kinds
+    assert events[-1]["type"] == "response.done" and events[-1]["frame_index"] == 3 and code == 1000
+    assert kinds.count("response.audio.delta") == 3
 
 
 @pytest.mark.parametrize("moment", ["unconfigured", "configured", "mid-append"])

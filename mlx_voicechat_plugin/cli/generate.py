@@ -141,8 +141,13 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat generate")
     try:
         for note in _check_arguments(args):
             print(note, file=sys.stderr)
-        with droppable_stdout():  # text nobody can read is dropped; the WAV is still written
-            return _run(args)
+        with droppable_stdout() as stdout:  # text nobody can read is dropped; the WAV is still written
+            status = _run(args)
+        if stdout.error is not None and status == EXIT_OK:
+            print(f"error: could not write the text to standard output ({stdout.error}); "
+                  "the rest of it was dropped, the WAV was written", file=sys.stderr)
+            return EXIT_FAILURE
+        return status
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -6,7 +6,9 @@ file or a pipe, text is printed unchanged so scripts see the model's exact outpu
 
 A command whose product is a file (the answer WAV) prints its text through
 :func:`droppable_stdout`: with standard output closed (``>&-``) or its reader gone (``| head
--1``, a broken pipe) the text is dropped and the command still writes its file.
+-1``, a broken pipe) the text is dropped and the command still writes its file. A failed
+write (a full disk, ``>/dev/full``; an I/O error) also drops the rest of the text and keeps
+the command going, but is kept (:attr:`DroppableText.error`) for the command to report.
 """
 
 from __future__ import annotations
@@ -44,35 +46,40 @@ class DroppableText:
             ``sys.stdout`` to None).
 
     Attributes:
-        dropped: True once the text is being dropped (no stream, or a broken pipe; the
-            descriptor is then pointed at ``os.devnull`` so that the interpreter's final
-            flush stays quiet).
+        dropped: True once the text is being dropped (no stream, a broken pipe, or a failed
+            write; the descriptor is then pointed at ``os.devnull`` so that the
+            interpreter's final flush stays quiet).
+        error: the ``OSError`` of a failed write other than a broken pipe (``ENOSPC``,
+            ``EIO``, ...), or None: text was lost that a reader was waiting for.
     """
 
     def __init__(self, stream: TextIO | None):
         self._stream = stream
         self.dropped = stream is None
+        self.error: OSError | None = None
 
     def write(self, text: str) -> int:
         if not self.dropped:
             try:
                 return self._stream.write(text)
-            except BrokenPipeError:
-                self._drop()
+            except OSError as error:
+                self._drop(error)
         return len(text)
 
     def flush(self) -> None:
         if not self.dropped:
             try:
                 self._stream.flush()
-            except BrokenPipeError:
-                self._drop()
+            except OSError as error:
+                self._drop(error)
 
     def isatty(self) -> bool:
         return not self.dropped and self._stream.isatty()
 
-    def _drop(self) -> None:
+    def _drop(self, error: OSError) -> None:
         self.dropped = True
+        if not isinstance(error, BrokenPipeError):
+            self.error = error
         with contextlib.suppress(OSError, ValueError, AttributeError):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._stream.fileno())

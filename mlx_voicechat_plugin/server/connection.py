@@ -79,6 +79,9 @@ class Connection:
         # Set as soon as the client is known to be gone (the reader saw it leave, or the
         # transport was lost): a session.update still prefilling its prompt stops waiting.
         self._left = asyncio.Event()
+        # Set when a cancel is read (:meth:`_note_read`): a session.update still prefilling
+        # its prompt checks whether that cancel is ahead of any commit (:meth:`open_session`).
+        self._cancel_read = asyncio.Event()
         # Reading-order numbers of the cancel (and, in a dialect with cancels, commit)
         # messages read but not yet dispatched: an append stops at the next slice boundary
         # while a cancel is queued with no commit before it (:meth:`cancel_ahead`; a commit
@@ -191,6 +194,7 @@ class Connection:
         queued: cancels and commits in reading order (see :meth:`cancel_ahead`)."""
         if message["type"] in self.cancel_types:
             self._cancels_read.append(self._read_seq)
+            self._cancel_read.set()
         elif self.cancel_types and message["type"] == "input_audio_buffer.commit":
             self._commits_read.append(self._read_seq)
 
@@ -306,28 +310,43 @@ class Connection:
         self.engine.mark_leaving(self.session_id)
         self._left.set()
 
-    async def open_session(self, config) -> Reply:
+    async def open_session(self, config) -> Reply | None:
         """Open the engine session (``config``: a :class:`~.protocol.SessionConfig`); its
         reply comes once the system prompt is prefilled, one token per tick.
 
         If the client leaves before that, the session is closed at once (the engine drops
         the prefill and answers the open with an error) and its slot is given back by
-        :meth:`run`, instead of when the whole prompt has run.
+        :meth:`run`, instead of when the whole prompt has run. So is it when a cancel is
+        read meanwhile with no commit before it (:meth:`cancel_ahead`): cancel drops
+        whatever has not run, the rest of the prompt included.
+
+        Returns:
+            The engine's reply, or None when a cancel stopped the prefill (the session is
+            closed; the caller answers the cancel).
 
         Raises:
             _Disconnected: the client left while the prompt was prefilling.
         """
         opening = asyncio.ensure_future(self.engine.call("open", self.session_id, config=config))
-        left = asyncio.ensure_future(self._left.wait())
-        try:
-            await asyncio.wait({opening, left}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            left.cancel()
-        if not opening.done():  # the slot is already marked leaving (_client_left)
-            await self.engine.call("close", self.session_id)
-            await opening  # answered by the close (the session was closed)
+        while True:
+            left = asyncio.ensure_future(self._left.wait())
+            cancelled = asyncio.ensure_future(self._cancel_read.wait())
+            try:
+                await asyncio.wait({opening, left, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                left.cancel()
+                cancelled.cancel()
+            if opening.done():
+                return opening.result()
+            self._cancel_read.clear()  # a cancel read from here on sets it again
+            if self._left.is_set() or self.cancel_ahead():
+                break
+        # the client left (its slot is already marked leaving, _client_left) or cancelled
+        await self.engine.call("close", self.session_id)
+        await opening  # answered by the close (the session was closed)
+        if self._left.is_set():
             raise _Disconnected()
-        return opening.result()
+        return None
 
     async def _end(self, code: int) -> None:
         """Close the session, give the slot back, then send the close frame."""
@@ -366,6 +385,11 @@ class Connection:
             await self.send_error(error.code, error.message)
             return
         reply = await self.open_session(config)
+        if reply is None:  # a cancel read while the prompt prefilled: answered now
+            await self.send(protocol.session_updated(self.session_id, self.settings.model_id))
+            await self.send(protocol.response_cancelled(frame_index=0))
+            await self._end(CLOSE_NORMAL)
+            return
         if reply.error is not None:  # any failure to open is a failed session.update
             await self.send_error(SESSION_INITIALIZATION_FAILED, reply.error.message)
             return

@@ -201,8 +201,13 @@ def serialize_event(event) -> dict:
     if kind == "done":
         return {"type": "response.done", **common}
     if kind == "cancelled":
-        return {"type": "response.cancelled", **common}
+        return response_cancelled(event.frame_index)
     raise ValueError(f"unsupported event kind {kind!r}")
+
+
+def response_cancelled(frame_index: int) -> dict:
+    """``response.cancelled`` after ``frame_index`` frames (spec: session.cancel / response.cancel)."""
+    return {"type": "response.cancelled", "frame_index": frame_index}
 
 
 def session_created(session_id: str) -> dict:

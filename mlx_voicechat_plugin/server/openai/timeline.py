@@ -319,8 +319,14 @@ class Timeline:
         Raises:
             RealtimeError(response_cancel_not_active): no response is running (or another id).
         """
-        if self.response is None or (response_id is not None and response_id != self.response.id):
+        if self.response is None:
             raise RealtimeError("response_cancel_not_active", "there is no active response to cancel", param="response_id")
+        if response_id is not None and response_id != self.response.id:
+            raise RealtimeError(
+                "response_cancel_not_active",
+                f"response {response_id[:64]!r} is not active (the active response is {self.response.id}); nothing was cancelled",
+                param="response_id",
+            )
         events = self.end_response("cancelled", "client_cancelled")
         self.muted_frames, self.mute_quiet = 0, 0
         return events
