@@ -46,17 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     if command == "serve":
         import signal
 
-        from ..runtime.process_exit import Terminated, raise_on_sigterm
+        from ..runtime.process_exit import Terminated, exit_process, raise_on_sigterm
 
         previous = raise_on_sigterm()
         try:  # Ctrl-C (SIGTERM) during the server's imports: one line, no traceback, 130 (143)
             from ..server.cli import main as serve_main
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
-            return 130
-        except Terminated:
-            print("terminated", file=sys.stderr)
-            return 143
+        except (KeyboardInterrupt, Terminated) as stop:
+            # a half-run import may have started MLX's threads: leave without the
+            # interpreter's finalisation, as serve itself does (runtime.process_exit)
+            terminated = isinstance(stop, Terminated)
+            print("terminated" if terminated else "interrupted", file=sys.stderr)
+            exit_process(143 if terminated else 130)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
