@@ -261,6 +261,33 @@ def test_text_that_cannot_be_written_is_reported_and_the_answer_still_written(ti
     assert_answer_wav(output)
 
 
+@pytest.mark.parametrize("stderr", ["full", "gone", "closed"])
+def test_a_standard_error_that_cannot_be_written_never_fails_the_command(tiny, tmp_path, stderr):
+    """``2>/dev/full``, ``2>&1 | head -1`` (the reader gone after the first line) and
+    ``2>&-``: the WAV and the text are written and the command exits 0 (the failed
+    ``[audio] wrote`` line raised, and so did the error line printed for it: exit 1)."""
+    if stderr == "full" and not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full (Linux)")
+    output, text = tmp_path / "a.wav", tmp_path / "text.txt"
+    command = [console_script(), "generate", "--model", tiny, "--audio", SPEECH_WAV, "--output-audio", str(output), *SHORT]
+    env = _subprocess_env()
+    if stderr == "gone":
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        first = process.stdout.readline()
+        process.stdout.close()  # the reader goes away: later writes to either stream get EPIPE
+        code = process.wait(timeout=120)
+        assert first.startswith(b"["), first
+    else:
+        redirect = "2>/dev/full" if stderr == "full" else "2>&-"
+        with open(text, "w") as out:
+            code = subprocess.run(
+                ["sh", "-c", f'"$@" {redirect}', "sh", *map(str, command)], stdout=out, env=env, timeout=120,
+            ).returncode
+        assert "[assistant]" in text.read_text()
+    assert code == 0
+    assert_answer_wav(output)
+
+
 _FAILING_TURN = """
 import sys
 import mlx_voicechat_plugin.runtime.offline as offline

@@ -37,3 +37,28 @@ def test_a_response_cancel_behind_queued_appends_ends_the_response_at_once(serve
         ):
             later.append(client.recv(timeout=120))
         assert not [e for e in later if e["type"] == "error" and e["error"]["event_id"] == "cancel-early"], later[-3:]
+
+
+def test_a_cancel_read_behind_a_queued_response_create_cancels_that_response(server):
+    """Manual turns: appends queued, then ``response.create`` and ``response.cancel``. The
+    early answer to the cancel jumped ahead of the create ("no active response") and the
+    response ran to ``max_output_tokens``; now the create is handled first and the cancel
+    ends that response."""
+    with _ga(server) as client:
+        client.recv()
+        client.send({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}}})
+        client.until("session.updated")
+        client.send({"type": "response.create", "response": {"max_output_tokens": 100}, "event_id": "first"})
+        client.until("response.created")
+        client.send({"type": "response.cancel"})
+        client.until("response.done")
+        _append_all(client, np.zeros(24_000 * 4, np.float32))  # 4 s queued in front
+        client.send({"type": "response.create", "response": {"max_output_tokens": 100}, "event_id": "evt_create"})
+        client.send({"type": "response.cancel", "event_id": "evt_cancel"})
+        events = client.until("response.done", timeout=120)
+        errors = [e for e in events if e["type"] == "error"]
+        assert not errors, errors
+        created = [e for e in events if e["type"] == "response.created"]
+        assert len(created) == 1
+        done = events[-1]["response"]
+        assert done["id"] == created[0]["response"]["id"] and done["status"] == "cancelled", done

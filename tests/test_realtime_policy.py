@@ -285,3 +285,17 @@ def test_auto_admits_at_most_one_new_session_a_second_while_it_stays():
     assert engine.slot_free and asyncio.run(engine.reserve("c", wait=0))
     fixed = RealtimeEngine(lambda: None, max_sessions=3, warm_up=False)
     assert all(asyncio.run(fixed.reserve(name, wait=0)) for name in "abc")  # a fixed N is not paced
+
+
+def test_a_frame_answered_before_it_was_due_counts_as_no_lag():
+    """A client sending faster than real time has frames answered before their real-time
+    due time: the lag histogram records 0 for them, so its sum never falls."""
+    from mlx_voicechat_plugin.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(sessions_max=1)
+    metrics.observe_lag(-1.2)
+    metrics.observe_lag(0.3)
+    sample = metrics.registry.get_sample_value
+    assert sample("voicechat_frame_lag_seconds_count") == 2
+    assert sample("voicechat_frame_lag_seconds_sum") == pytest.approx(0.3)
+    assert sample("voicechat_frames_late_total") == 1

@@ -143,9 +143,10 @@ def test_slot_is_released_at_once_when_the_client_leaves_while_its_prompt_prefil
 
 @pytest.mark.parametrize("ending", ["session.cancel", "response.cancel"])
 def test_a_cancel_while_the_prompt_prefills_is_answered_at_once(server, audio, ending):
-    """A cancel read while a long system prompt still prefills (audio queued before it)
-    stops the prefill: session.updated, response.cancelled at frame 0 and close 1000 come
-    at once, and the slot is free, not when the whole prompt has run."""
+    """A cancel read while a long system prompt still prefills stops the prefill: the
+    messages queued before it are answered as after any prompt (audio dropped, a ping
+    answered, a bad frame refused), then response.cancelled at frame 0 and close 1000, at
+    once, and the slot is free, not when the whole prompt has run."""
     prompt = "ab cd " * 125  # about 500 tokens (the limit is 512)
     prefill = _prefill_seconds(server, prompt)
     server.wait_slot_free()
@@ -153,14 +154,18 @@ def test_a_cancel_while_the_prompt_prefills_is_answered_at_once(server, audio, e
         first.created()
         first.send({"type": "session.update", "session": {"system_prompt": prompt}})
         first.send(append(audio))
+        first.send({"type": "session.ping"})
+        first.send("{not json")
         time.sleep(0.2)
         assert server.health()["session_slot"] == "busy"
         sent = time.monotonic()
         first.send({"type": ending})
         events, code = first.until_closed(timeout=prefill + 30)
         answered = time.monotonic() - sent
-    assert [event["type"] for event in events] == ["session.updated", "response.cancelled"], events
-    assert events[1]["frame_index"] == 0 and code == 1000
+    kinds = [event["type"] for event in events]
+    assert kinds == ["session.updated", "session.pong", "error", "response.cancelled"], events
+    assert events[2]["error"]["code"] == "invalid_request"
+    assert events[3]["frame_index"] == 0 and code == 1000
     assert answered < max(0.5, prefill / 3), (answered, prefill)
     server.wait_slot_free(timeout=5)
     _assert_admitted(server, audio)

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STATUS_HELP, EXIT_USAGE
 from . import OFFLINE_COMMAND, chat_refusal  # noqa: F401 - chat_refusal: part of the CLI API
 from .compat import GENERATE_FLAGS, add_mlx_vlm_options, ignored_note
-from .output import droppable_stdout, labelled
+from .output import droppable, labelled
 
 #: Most silence ``--extra-decoding-seconds`` may append (spec "Limits"; the runtime enforces
 #: the same cap, this only reports it with the flag's spelling before any work is done).
@@ -131,8 +131,16 @@ def _progress_bar(mode: str, total_seconds: float):
 
 def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat generate") -> int:
     """Run the command; returns the process exit status (:mod:`..exit_codes`: 0 ok,
-    1 runtime failure, 2 usage or input error, 130 interrupted)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    1 runtime failure, 2 usage or input error, 130 interrupted).
+
+    Text nobody can read (standard output closed, or its reader gone) is dropped and the WAV
+    still written; a failed write of the text (a full disk) is reported and exits 1. A
+    standard error that cannot be written never changes the status."""
+    with droppable("stderr"):
+        return _main(list(sys.argv[1:] if argv is None else argv), prog)
+
+
+def _main(argv: list[str], prog: str) -> int:
     parser = build_parser(prog)
     try:
         args = parser.parse_args(argv)  # unknown options: usage line + exit 2
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat generate")
     try:
         for note in _check_arguments(args):
             print(note, file=sys.stderr)
-        with droppable_stdout() as stdout:  # text nobody can read is dropped; the WAV is still written
+        with droppable("stdout") as stdout:  # text nobody can read is dropped; the WAV is still written
             status = _run(args)
         if stdout.error is not None and status == EXIT_OK:
             print(f"error: could not write the text to standard output ({stdout.error}); "

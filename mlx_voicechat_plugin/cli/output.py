@@ -5,7 +5,7 @@ can garble a terminal. On a terminal they are shown escaped (``\\x0e``); written
 file or a pipe, text is printed unchanged so scripts see the model's exact output.
 
 A command whose product is a file (the answer WAV) prints its text through
-:func:`droppable_stdout`: with standard output closed (``>&-``) or its reader gone (``| head
+:func:`droppable`: with standard output closed (``>&-``) or its reader gone (``| head
 -1``, a broken pipe) the text is dropped and the command still writes its file. A failed
 write (a full disk, ``>/dev/full``; an I/O error) also drops the rest of the text and keeps
 the command going, but is kept (:attr:`DroppableText.error`) for the command to report.
@@ -92,12 +92,17 @@ class DroppableText:
 
 
 @contextlib.contextmanager
-def droppable_stdout():
-    """``sys.stdout`` as a :class:`DroppableText` for the duration (restored after)."""
-    previous = sys.stdout
-    sys.stdout = wrapper = DroppableText(previous)
+def droppable(name: str = "stdout"):
+    """``sys.stdout`` (``name="stdout"``) or ``sys.stderr`` (``"stderr"``) as a
+    :class:`DroppableText` for the duration (restored after). Around a command's
+    diagnostics, a standard error that is closed, gone or full cannot fail the command."""
+    if name not in ("stdout", "stderr"):
+        raise ValueError(f"name must be 'stdout' or 'stderr', got {name!r}")
+    previous = getattr(sys, name)
+    wrapper = DroppableText(previous)
+    setattr(sys, name, wrapper)
     try:
         yield wrapper
     finally:
         wrapper.flush()
-        sys.stdout = previous
+        setattr(sys, name, previous)

@@ -99,6 +99,9 @@ class Connection:
         # this and the last client message.
         self.handled_at = self.connected_at
         self.configured = False
+        # A cancel stopped the session.update's prompt prefill (:meth:`open_session`): the
+        # engine session is closed and that cancel, when reached, is answered at frame 0.
+        self.prefill_cancelled = False
         self.finished = False
         # When the message being handled was read from the socket (an append's frames are
         # due from then on: the engine's lag clock, :mod:`.lag_clock`).
@@ -385,12 +388,13 @@ class Connection:
             await self.send_error(error.code, error.message)
             return
         reply = await self.open_session(config)
-        if reply is None:  # a cancel read while the prompt prefilled: answered now
-            await self.send(protocol.session_updated(self.session_id, self.settings.model_id))
-            await self.send(protocol.response_cancelled(frame_index=0))
-            await self._end(CLOSE_NORMAL)
-            return
-        if reply.error is not None:  # any failure to open is a failed session.update
+        if reply is None:
+            # A cancel read while the prompt prefilled closed the session: the messages
+            # queued before that cancel are handled in order as after any prompt (pings
+            # answered, bad frames refused, audio dropped: the cancel is ahead), then the
+            # cancel itself (:meth:`_cancel`).
+            self.prefill_cancelled = True
+        elif reply.error is not None:  # any failure to open is a failed session.update
             await self.send_error(SESSION_INITIALIZATION_FAILED, reply.error.message)
             return
         self.configured = True
@@ -440,6 +444,10 @@ class Connection:
         await self._end(CLOSE_NORMAL)
 
     async def _cancel(self) -> None:
+        if self.prefill_cancelled:  # the session was closed while its prompt prefilled
+            await self.send(protocol.response_cancelled(frame_index=0))
+            await self._end(CLOSE_NORMAL)
+            return
         reply = await self.engine.call("cancel", self.session_id)
         for event in reply.events:
             await self.send(event)

@@ -117,8 +117,10 @@ class ServerMetrics:
         self.realtime_factor.set(seconds / self.frame_seconds)
 
     def observe_lag(self, seconds: float) -> None:
-        """Record one frame's lag (:mod:`.lag_clock`)."""
-        self.frame_lag.observe(seconds)
+        """Record one frame's lag (:mod:`.lag_clock`); a frame answered before it was due
+        (a client sending faster than real time) counts as 0, so that the histogram's sum
+        only grows, as Prometheus expects of it."""
+        self.frame_lag.observe(max(seconds, 0.0))
         if seconds > LATE_SECONDS:
             self.frames_late.inc()
 

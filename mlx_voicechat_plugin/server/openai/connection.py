@@ -70,6 +70,9 @@ class OpenAIConnection(Connection):
         self._fill_left = 0
         self._early_cancels: collections.deque[tuple[int, dict]] = collections.deque()
         self._answered_early: set[int] = set()
+        # reading numbers of the response.create messages read but not yet dispatched: a
+        # cancel read after one is answered in order, after the response it may cancel
+        self._creates_read: collections.deque[int] = collections.deque()
 
     def append_samples(self, message: dict) -> int:
         """16 kHz samples an append carries in the input format in effect when it is read
@@ -107,6 +110,8 @@ class OpenAIConnection(Connection):
         and ``event_id``, each id at most :data:`EARLY_CANCEL_ID_CHARS`; others wait their
         turn in the inbox)."""
         super()._note_read(message)
+        if message["type"] == "response.create":
+            self._creates_read.append(self._read_seq)
         if message["type"] != "response.cancel":
             return
         kept = {"type": "response.cancel"}
@@ -124,15 +129,21 @@ class OpenAIConnection(Connection):
         before each frame goes through the model): ``docs/openai-realtime.md`` says a cancel
         ends the response at once, also when appends are queued in front of it."""
         while self._early_cancels:
-            seq, message = self._early_cancels.popleft()
+            seq, message = self._early_cancels[0]
             if seq <= self._dispatched_seq:
+                self._early_cancels.popleft()
                 continue  # already handled in order
+            if any(self._dispatched_seq < create < seq for create in self._creates_read):
+                return  # a response.create read before it is still queued: both in order
+            self._early_cancels.popleft()
             self._answered_early.add(seq)
             await self._handle(message)
 
     async def _dispatch(self, message: dict) -> None:
         while self._early_cancels and self._early_cancels[0][0] <= self._dispatched_seq:
             self._early_cancels.popleft()  # reached in order before any frame ran
+        while self._creates_read and self._creates_read[0] <= self._dispatched_seq:
+            self._creates_read.popleft()
         if self._answered_early:
             if self._dispatched_seq in self._answered_early:
                 self._answered_early.discard(self._dispatched_seq)
