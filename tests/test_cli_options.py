@@ -174,10 +174,12 @@ def _subprocess_main(argv: list[str], cwd: Path) -> tuple[int, str, list[str]]:
         (["serve", "--api-key", ""], "--api-key is empty"),
         (["serve", "--api-key= "], "--api-key is empty"),
         (["serve", "--api-key", "k3y "], "whitespace"),
+        (["serve", "--api-key", "ключ"], "printable ASCII"),
+        (["serve", "--api-key", "sek\nrit"], "printable ASCII"),
         (["demo", "build", "."], "already exists"),
     ],
     ids=["missing-input", "mp3-output", "generate-bad-model", "serve-bad-model", "serve-empty-key",
-         "serve-blank-key", "serve-padded-key", "demo-existing"],
+         "serve-blank-key", "serve-padded-key", "serve-non-ascii-key", "serve-control-key", "demo-existing"],
 )
 def test_the_same_mistake_exits_2_before_heavy_imports(tmp_path, argv, words):
     code, err, heavy = _subprocess_main(argv, tmp_path)

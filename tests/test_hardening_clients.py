@@ -112,3 +112,38 @@ def test_file_client_never_overwrites_its_input(tmp_path, capsys):
         code = main(["ws://127.0.0.1:9/v1/realtime", str(source), str(target), "-q"])
         assert code == 2 and source.read_bytes() == before
         assert "is the input file" in capsys.readouterr().err
+
+
+def test_clients_refuse_bad_urls_seeds_and_keys_before_connecting(tmp_path, capsys, monkeypatch):
+    """A port out of range or a malformed host, a seed the server would refuse (2**64) and
+    an API key no header can carry are usage errors (exit 2) before anything is sent; the
+    key is never echoed. They were ``unexpected ValueError`` (exit 1), a server error after
+    connecting, and a handshake failure printing the key."""
+    from mlx_voicechat_plugin.clients.file import main
+
+    from .conftest import SPEECH_WAV
+
+    monkeypatch.delenv("MLX_VOICECHAT_API_KEY", raising=False)
+    output = tmp_path / "a.wav"
+    cases = [
+        (["ws://127.0.0.1:99999/v1/realtime"], "not a valid URL"),
+        (["ws://[bad/v1"], "not a valid URL"),
+        (["ws:///v1/realtime"], "not a WebSocket URL"),
+        (["ws://127.0.0.1:9/v1/realtime", "--seed", str(2**64)], "--seed"),
+        (["ws://127.0.0.1:9/v1/realtime", "--seed", "-1"], "--seed"),
+        (["ws://127.0.0.1:9/v1/realtime", "--api-key", "sek\nrit"], "printable ASCII"),
+        (["ws://127.0.0.1:9/v1/realtime", "--api-key", "ключ"], "printable ASCII"),
+        (["ws://127.0.0.1:9/v1/realtime", "--api-key", " padded"], "printable ASCII"),
+    ]
+    for extra, words in cases:
+        url, *options = extra
+        code = main([url, str(SPEECH_WAV), str(output), "-q", *options])
+        err = capsys.readouterr().err
+        assert code == 2 and words in err, (extra, err)
+        assert "sek" not in err and "ключ" not in err and "padded" not in err, err
+        assert not output.exists()
+    # the microphone client shares the rules
+    for options, words in ((["--seed", str(2**64)], "--seed"), (["--api-key", "ключ"], "printable ASCII")):
+        code = microphone.main(["ws://127.0.0.1:9/v1/realtime", *options], backend=FakeSoundDevice())
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and "ключ" not in err, err

@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-mic", back
     """Run the client; returns the exit status (see :mod:`.errors`). ``backend`` replaces
     the sound-card boundary (tests)."""
     from .display import LivePrinter, summary_lines
-    from .transport import normalize_url
+    from .protocol import check_seed
+    from .transport import check_api_key, normalize_url
 
     args = build_parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
     printer = LivePrinter(sys.stdout)
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-mic", back
             installed = True
         try:
             return await run_live(
-                url, devices, system_prompt=args.system_prompt, seed=args.seed, api_key=args.api_key or None,
+                url, devices, system_prompt=args.system_prompt, seed=args.seed, api_key=api_key,
                 origin=args.origin, input_device=args.input_device, output_device=args.output_device,
                 jitter_ms=args.jitter_ms, buffer_seconds=args.buffer_seconds, duration=args.duration,
                 stop=stop, on_update=None if args.quiet else printer, status=status,
@@ -301,8 +302,8 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-mic", back
                 loop.remove_signal_handler(signal.SIGINT)
 
     try:
-        if args.seed < 0:
-            raise UsageError("--seed must be a non-negative integer")
+        check_seed(args.seed)
+        api_key = check_api_key(args.api_key)
         if args.jitter_ms < 0 or args.buffer_seconds <= 0 or args.jitter_ms / 1000.0 > args.buffer_seconds:
             raise UsageError("need 0 <= --jitter-ms / 1000 <= --buffer-seconds and --buffer-seconds > 0")
         if args.duration is not None and not args.duration > 0:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import ConnectionLost, ServerBusy, ServerErrorEvent
+from .errors import ConnectionLost, ServerBusy, ServerErrorEvent, UsageError
 
 #: Input rate (Hz) and samples per 80 ms append.
 INPUT_SAMPLE_RATE = 16_000
@@ -31,7 +31,24 @@ OUTPUT_FRAME_SAMPLES = 1764
 SUBPROTOCOL = "mlx-voicechat"
 
 
+#: ``session.seed`` is a non-negative integer below this (spec: session.update).
+SEED_LIMIT = 2**64
+
+
+def check_seed(seed: int) -> int:
+    """``seed`` if the server accepts it as ``session.seed``.
+
+    Raises:
+        UsageError: negative, or ``2**64`` or more (the server would refuse the session).
+    """
+    if not 0 <= seed < SEED_LIMIT:
+        raise UsageError(f"--seed must be an integer in [0, 2**64), got {seed}")
+    return seed
+
+
 # ---------------------------------------------------------------- audio encoding
+
+
 def float_to_pcm16(samples: np.ndarray) -> np.ndarray:
     """Float samples (nominally [-1, 1]) to int16: ``round(x * 32768)`` clamped."""
     scaled = np.round(np.asarray(samples, dtype=np.float64) * 32768.0)

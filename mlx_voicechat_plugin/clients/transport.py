@@ -42,14 +42,36 @@ def normalize_url(url: str) -> str:
     ``host:port`` gets the default path ``/v1/realtime``.
 
     Raises:
-        UsageError: another scheme or no host.
+        UsageError: another scheme, no host, a port outside 0-65535 or a malformed host
+            (``ws://[bad``).
     """
-    parts = urlsplit(url.strip())
+    try:
+        parts = urlsplit(url.strip())
+        parts.port  # noqa: B018 - parsed here so that a bad port is a usage error
+    except ValueError as error:
+        raise UsageError(f"{url!r} is not a valid URL ({error}); expected ws://HOST:PORT/v1/realtime") from None
     scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
-    if scheme not in ("ws", "wss") or not parts.netloc:
+    if scheme not in ("ws", "wss") or not parts.hostname:
         raise UsageError(f"{url!r} is not a WebSocket URL; expected ws://HOST:PORT/v1/realtime")
     path = parts.path if parts.path not in ("", "/") else "/v1/realtime"
     return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+def check_api_key(key: str | None) -> str | None:
+    """The key to send as ``Authorization: Bearer <key>`` (None: no key, also for ``""``).
+
+    Raises:
+        UsageError: a key no HTTP header can carry (non-ASCII or control characters,
+            surrounding whitespace); the message does not repeat the key.
+    """
+    if not key:
+        return None
+    if key != key.strip() or not all(" " <= char <= "~" for char in key):
+        raise UsageError(
+            "the API key (--api-key or MLX_VOICECHAT_API_KEY) holds characters an HTTP header cannot "
+            "carry (only printable ASCII, no surrounding spaces); nothing was sent"
+        )
+    return key
 
 
 def describe_close(code: int | None, reason: str = "") -> str:

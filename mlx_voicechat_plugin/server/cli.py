@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat serve", ha
 def _api_key_problem(key: str | None, argv: list[str]) -> str | None:
     """Why the API key cannot be used, or None. An empty key (``--api-key ""``, or an
     unset shell variable expanded into it) would serve without authentication; a key with
-    surrounding whitespace could never match (HTTP header values are trimmed)."""
+    surrounding whitespace, control or non-ASCII characters could never match (HTTP header
+    values are trimmed ASCII)."""
     if key is None:
         return None
     given = any(arg == "--api-key" or arg.startswith("--api-key=") for arg in argv)
@@ -214,6 +215,8 @@ def _api_key_problem(key: str | None, argv: list[str]) -> str | None:
         return f"{name} is empty; give a key, or leave it out to accept clients without one"
     if key != key.strip():
         return f"{name} starts or ends with whitespace, which no client can send in a header; remove it"
+    if not all(" " <= char <= "~" for char in key):
+        return f"{name} holds characters no client can send in a header (only printable ASCII); choose another key"
     return None
 
 
