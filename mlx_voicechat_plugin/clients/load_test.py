@@ -34,11 +34,15 @@ import argparse
 import asyncio
 import base64
 import json
+import math
+import os
 import re
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
@@ -64,11 +68,12 @@ class CallerResult:
     equal_to_solo: bool | None = None
     attempts: int = 0  # connections made (more than one: refused, then retried)
     refused: bool = False  # turned away (server_busy) on its last attempt
+    admitted: bool = False  # the server took it (its session was configured / created)
 
     def summary(self) -> dict:
         return {"caller": self.index, **latency_summary(self.latencies), "close_code": self.close_code,
                 "error": self.error, "equal_to_solo": self.equal_to_solo, "attempts": self.attempts,
-                "refused": self.refused}
+                "refused": self.refused, "admitted": self.admitted}
 
 
 class Refused(Exception):
@@ -104,7 +109,7 @@ async def with_retries(attempt, result: CallerResult, join_at: float | None, ret
     joined = time.monotonic()
     while True:
         result.attempts += 1
-        result.error, result.refused = None, False
+        result.error, result.refused, result.admitted = None, False, False
         try:
             return await attempt()
         except Refused as refusal:
@@ -144,13 +149,19 @@ def _audio_frame(event: dict) -> tuple:
     return tuple(event.get("audio_codes") or ())
 
 
+def _connect(url: str, api_key: str | None):
+    """``websockets.connect`` of one caller (``Authorization: Bearer`` with ``api_key``)."""
+    import websockets
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    return websockets.connect(url, max_size=None, ping_interval=None, proxy=None, additional_headers=headers)
+
+
 async def run_caller(url: str, index: int, samples: np.ndarray, join_at: float | None, timeout: float,
-                     retry: float = 0.0, patience: float = 0.0) -> CallerResult:
+                     retry: float = 0.0, patience: float = 0.0, api_key: str | None = None) -> CallerResult:
     """One default-dialect caller: connects at ``join_at`` (a ``time.monotonic`` reading;
     None: at once, appends unpaced), appends paced from its ``session.updated``, then a
     commit; with ``retry`` a refused caller tries again (:func:`with_retries`)."""
-    import websockets
-
     result = CallerResult(index)
 
     async def attempt():
@@ -159,10 +170,11 @@ async def run_caller(url: str, index: int, samples: np.ndarray, join_at: float |
         result.latencies.clear()
         result.frame_indices.clear()
         result.answer.clear()
-        async with websockets.connect(url, max_size=None, ping_interval=None, proxy=None) as ws:
+        async with _connect(url, api_key) as ws:
             await ws.send(json.dumps({"type": "session.update", "session": {"seed": index}}))
             while (await _receive(ws, timeout))["type"] != "session.updated":
                 pass
+            result.admitted = True
             paced_from = None if join_at is None else time.monotonic()
 
             async def send():
@@ -202,20 +214,20 @@ async def run_caller(url: str, index: int, samples: np.ndarray, join_at: float |
 
 
 async def run_openai_caller(url: str, index: int, samples: np.ndarray, join_at: float, timeout: float,
-                            retry: float = 0.0, patience: float = 0.0) -> CallerResult:
+                            retry: float = 0.0, patience: float = 0.0, api_key: str | None = None) -> CallerResult:
     """One OpenAI-dialect caller (connects at ``join_at``; 24 kHz PCM appends paced from its
     ``session.created``, server VAD); it closes the socket one second after its last
     append; with ``retry`` a refused caller tries again (:func:`with_retries`)."""
     import soxr
-    import websockets
 
     result = CallerResult(index)
     pcm24 = soxr.resample(samples, INPUT_SAMPLE_RATE, 24_000).astype(np.float32)
     step = round(FRAME_SECONDS * 24_000)
 
     async def attempt():
-        async with websockets.connect(url, max_size=None, ping_interval=None, proxy=None) as ws:
+        async with _connect(url, api_key) as ws:
             await _receive(ws, timeout)  # session.created
+            result.admitted = True
             paced_from = time.monotonic()
             for k in range(pcm24.size // step):
                 await _until(paced_from + k * FRAME_SECONDS)
@@ -251,11 +263,15 @@ def _metrics_url(url: str) -> str:
     return urlunsplit(("https" if parts.scheme == "wss" else "http", parts.netloc, path, "", ""))
 
 
-def scrape(url: str) -> dict[str, float]:
-    """The server's ``/metrics`` samples (name with labels -> value)."""
+def scrape(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """The server's ``/metrics`` samples (name with labels -> value), within ``timeout`` s."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(_metrics_url(url), timeout=10) as response:
-        text = response.read().decode()
+    address = _metrics_url(url)
+    try:
+        with opener.open(address, timeout=max(0.1, timeout)) as response:
+            text = response.read().decode()
+    except urllib.error.URLError as error:  # HTTPError too
+        raise OSError(f"GET {address}: {getattr(error, 'reason', None) or error}") from None
     samples = {}
     for line in text.splitlines():
         match = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
@@ -281,24 +297,45 @@ def _lag_quantiles(before: dict, after: dict) -> dict:
 
 
 async def run_load(url: str, callers: int, seconds: float, stagger: float, base: list[np.ndarray], dialect: str,
-                   timeout: float, compare: bool = True, retry: float = 0.0) -> dict:
-    """Run the load test (module docstring); returns the report as a dict (``admitted``:
-    callers the server took, at the first attempt or a retry; ``refused``: the others)."""
+                   timeout: float, compare: bool = True, retry: float = 0.0, api_key: str | None = None) -> dict:
+    """Run the load test (module docstring) within ``timeout`` seconds in all (solo runs and
+    ``/metrics`` scrapes included; ``asyncio.TimeoutError`` past it); returns the report as a
+    dict (``admitted``: callers the server took, at the first attempt or a retry; ``refused``:
+    turned away with ``server_busy``; any other failure, a solo run's included, is listed in
+    ``errors``)."""
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise asyncio.TimeoutError()
+        return remaining
+
     inputs = [caller_input(base[i % len(base)], i, seconds) for i in range(callers)]
     target = url + (("&" if "?" in url else "?") + "dialect=openai" if dialect == "openai" else "")
     solo: list[CallerResult] = []
     if compare and dialect != "openai":
         for i, samples in enumerate(inputs):  # each input alone, unpaced
-            solo.append(await asyncio.wait_for(run_caller(url, i, samples, None, timeout), timeout))
-    before = scrape(url)
+            alone = await asyncio.wait_for(run_caller(url, i, samples, None, left(), api_key=api_key), left())
+            solo.append(alone)
+    before = scrape(url, min(10.0, left()))
     began = time.monotonic() + 0.2
     runner = run_openai_caller if dialect == "openai" else run_caller
-    tasks = [runner(target, i, inputs[i], began + i * stagger, timeout, retry, seconds) for i in range(callers)]
-    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout)
-    after = scrape(url)
+    tasks = [runner(target, i, inputs[i], began + i * stagger, left(), retry, seconds, api_key) for i in range(callers)]
+    results = await asyncio.wait_for(asyncio.gather(*tasks), left())
+    after = scrape(url, min(10.0, left()))
+    errors = []
     for result, alone in zip(results, solo):
-        if not result.refused:  # a caller the server turned away has no answer to compare
-            result.equal_to_solo = result.error is None and bool(result.answer) and result.answer == alone.answer
+        if alone.error is not None or not alone.admitted:  # the server was not free for it
+            errors.append(f"caller #{result.index}: its solo run failed ({alone.error or 'no session'}), nothing to compare")
+            continue
+        if not result.admitted:  # turned away: no answer to compare
+            continue
+        result.equal_to_solo = result.error is None and bool(result.answer) and result.answer == alone.answer
+    for result in results:
+        if result.error and not result.refused:
+            errors.append(f"caller #{result.index}: {result.error}")
+    compared = [result.equal_to_solo for result in results if result.equal_to_solo is not None]
     ticks = after.get("voicechat_tick_seconds_count", 0) - before.get("voicechat_tick_seconds_count", 0)
     tick_sum = after.get("voicechat_tick_seconds_sum", 0) - before.get("voicechat_tick_seconds_sum", 0)
     frames = after.get("voicechat_frames_processed_total", 0) - before.get("voicechat_frames_processed_total", 0)
@@ -316,10 +353,11 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
         "ticks": int(ticks),
         "frames_per_tick": round(frames / ticks, 2) if ticks else None,
         "tick_realtime_factor": round(tick_sum / ticks / FRAME_SECONDS, 3) if ticks else None,
-        "all_equal_to_solo": None if not solo else all(r.equal_to_solo for r in results if not r.refused),
-        "admitted": sum(1 for result in results if not result.refused),
+        "all_equal_to_solo": all(compared) if compared else None,
+        "compared": bool(compared) if solo else None,  # False: solo runs made, no answer compared
+        "admitted": sum(1 for result in results if result.admitted),
         "refused": sum(1 for result in results if result.refused),
-        "errors": [result.error for result in results if result.error and not result.refused],
+        "errors": errors,
     }
 
 
@@ -346,8 +384,13 @@ def _print(report: dict) -> None:
     print(f"server lag: {report['server_lag']}")
     print(f"ticks {report['ticks']}, frames per tick {report['frames_per_tick']}, "
           f"tick real-time factor {report['tick_realtime_factor']}")
+    for error in report["errors"]:
+        if "solo run" in error:
+            print(f"error: {error}")
     if report["all_equal_to_solo"] is not None:
         print("every answer equals its solo run: " + ("yes" if report["all_equal_to_solo"] else "NO"))
+    elif report["compared"] is False:
+        print("no answer was compared with a solo run (no caller was admitted, or the solo runs failed)")
 
 
 def build_parser(prog: str = "mlx-voicechat loadtest") -> argparse.ArgumentParser:
@@ -361,25 +404,63 @@ def build_parser(prog: str = "mlx-voicechat loadtest") -> argparse.ArgumentParse
     parser.add_argument("--no-compare", action="store_true", help="skip the solo runs and the equality check")
     parser.add_argument("--retry", type=float, default=0.0, metavar="S",
                         help="a refused caller (server_busy) tries again every S seconds, for up to --seconds after it joined (default 0: no retry)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (default 300)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds for the whole run, solo runs and /metrics scrapes included (default 300)")
     parser.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    parser.add_argument("--api-key", default=os.environ.get("MLX_VOICECHAT_API_KEY"),
+                        help="sent as 'Authorization: Bearer KEY' (default: env MLX_VOICECHAT_API_KEY)")
     return parser
+
+
+def _json_path_problem(path: str) -> str | None:
+    """Why ``--json PATH`` cannot be written (checked before the run), or None."""
+    target = Path(path)
+    if not path.strip():
+        return "--json needs a file name"
+    if target.is_dir():
+        return f"--json {path!r} is a directory"
+    parent = target.parent
+    if not parent.is_dir():
+        return f"--json {path!r}: the directory {str(parent)!r} does not exist"
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return f"--json {path!r} is not writable"
+    return None
 
 
 def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat loadtest") -> int:
     """Exit 0 when every admitted caller finished without error (refused callers are
-    reported, not errors), 1 otherwise, 2 on bad usage."""
+    reported, not errors), 1 otherwise (a solo run that failed included), 2 on bad usage,
+    130 when interrupted."""
+    from .errors import UsageError
+    from .transport import check_api_key
+
     try:
         args = build_parser(prog).parse_args(argv)
     except SystemExit as exit_:
         return 2 if exit_.code not in (0, None) else 0
-    host = urlsplit(args.url).hostname
+    try:
+        parts = urlsplit(args.url)
+        host = parts.hostname
+        parts.port  # noqa: B018 - a bad port is a usage error
+    except ValueError:
+        host = None
     if urlsplit(args.url).scheme not in ("ws", "wss") or host not in LOOPBACK:
         print(f"error: the load test runs against a server on this machine only (ws://127.0.0.1:PORT/...), got {args.url!r}", file=sys.stderr)
         return 2
-    if (not 1 <= args.callers <= 64 or not 0 < args.seconds <= 600 or args.stagger < 0 or args.timeout <= 0
-            or not 0 <= args.retry <= 60):
-        print("error: --callers 1..64, --seconds in (0, 600], --stagger >= 0, --retry in [0, 60] and --timeout > 0", file=sys.stderr)
+    numbers = (args.seconds, args.stagger, args.retry, args.timeout)
+    if (not all(math.isfinite(value) for value in numbers) or not 1 <= args.callers <= 64
+            or not 0 < args.seconds <= 600 or args.stagger < 0 or args.timeout <= 0 or not 0 <= args.retry <= 60):
+        print("error: --callers 1..64, --seconds in (0, 600], --stagger >= 0, --retry in [0, 60] and --timeout > 0 "
+              "(finite numbers)", file=sys.stderr)
+        return 2
+    problem = _json_path_problem(args.json) if args.json is not None else None
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        api_key = check_api_key(args.api_key)
+    except UsageError as error:
+        print(error.one_line(), file=sys.stderr)
         return 2
     from ..demo.sample import sample_speech
     from ..runtime.audio_io import AudioInputError, read_audio
@@ -391,14 +472,25 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat loadtest")
         return 2
     try:
         report = asyncio.run(run_load(args.url, args.callers, args.seconds, args.stagger, base, args.dialect,
-                                      args.timeout, compare=not args.no_compare, retry=args.retry))
-    except (OSError, asyncio.TimeoutError) as error:
-        print(f"error: the load test failed: {error or 'timed out'}", file=sys.stderr)
+                                      args.timeout, compare=not args.no_compare, retry=args.retry, api_key=api_key))
+    except KeyboardInterrupt:
+        print("interrupted; no report", file=sys.stderr)
+        return 130
+    except asyncio.TimeoutError:
+        print(f"error: the load test did not finish within --timeout {args.timeout:g} s; no report", file=sys.stderr)
+        return 1
+    except OSError as error:
+        print(f"error: the load test failed: {' '.join(str(error).split())} (is the server running at {args.url}?)",
+              file=sys.stderr)
         return 1
     _print(report)
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+        try:
+            with open(args.json, "w") as handle:
+                json.dump(report, handle, indent=2)
+        except OSError as error:
+            print(f"error: could not write --json {args.json!r}: {error.strerror or error}", file=sys.stderr)
+            return 1
     return 0 if not report["errors"] else 1
 
 

@@ -1,0 +1,121 @@
+"""``mlx-voicechat loadtest`` as a command: bad options are usage errors before any
+connection; an API key reaches the server; a caller the server never took is not counted
+as admitted; a run whose solo runs failed says nothing was compared and exits 1; the
+``--timeout`` bounds the whole run with a message that says so; Ctrl-C is one line, 130."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from mlx_voicechat_plugin.clients.load_test import main
+
+from .test_server_support import ServerHandle, server_settings
+
+URL = "ws://127.0.0.1:9/v1/realtime"  # nothing is ever sent there: each case fails first
+
+
+@pytest.mark.parametrize(
+    "options,words",
+    [
+        (["--timeout", "nan"], "finite"),
+        (["--timeout", "1e400"], "finite"),
+        (["--stagger", "nan"], "finite"),
+        (["--retry", "inf"], "finite"),
+        (["--json", ""], "--json needs a file name"),
+        (["--json", "{tmp}"], "is a directory"),
+        (["--json", "{tmp}/missing/report.json"], "does not exist"),
+        (["--api-key", "ключ"], "printable ASCII"),
+    ],
+)
+def test_bad_options_are_usage_errors_before_any_connection(tmp_path, capsys, options, words):
+    options = [option.replace("{tmp}", str(tmp_path)) for option in options]
+    assert main([URL, "--callers", "1", "--seconds", "1", *options]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and "ключ" not in err, err
+
+
+def test_a_bad_port_is_a_usage_error(capsys):
+    assert main(["ws://127.0.0.1:99999/v1/realtime"]) == 2
+    assert "server on this machine only" in capsys.readouterr().err
+
+
+def test_the_api_key_reaches_the_server_and_a_refused_handshake_is_not_admitted(tiny, engine, monkeypatch, capsys):
+    monkeypatch.delenv("MLX_VOICECHAT_API_KEY", raising=False)
+    with ServerHandle(server_settings(tiny, api_key="sekrit"), engine) as server:
+        assert main([server.ws_url, "--callers", "1", "--seconds", "0.4", "--no-compare"]) == 1
+        out, err = capsys.readouterr()
+        assert "admitted 0 of 1 callers" in out and "401" in out, out
+        monkeypatch.setenv("MLX_VOICECHAT_API_KEY", "sekrit")
+        assert main([server.ws_url, "--callers", "1", "--seconds", "0.4"]) == 0
+        out, _ = capsys.readouterr()
+        assert "admitted 1 of 1 callers" in out and "every answer equals its solo run: yes" in out, out
+
+
+def test_solo_runs_refused_by_a_busy_server_are_failures_not_equality(server, capsys):
+    """The only slot held by another client: the solo runs are turned away, so nothing can
+    be compared; the report said "every answer equals its solo run: yes" and exited 0."""
+    with server.connect() as holder:
+        holder.configure()
+        assert main([server.ws_url, "--callers", "2", "--seconds", "0.4", "--timeout", "60"]) == 1
+    out, _ = capsys.readouterr()
+    assert "admitted 0 of 2 callers, 2 refused" in out, out
+    assert "solo run failed" in out and "no answer was compared" in out, out
+    assert "equals its solo run: yes" not in out
+    server.wait_slot_free()
+
+
+@pytest.fixture
+def silent_listener():
+    """A TCP port that accepts connections and never answers (no WebSocket handshake)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"ws://127.0.0.1:{listener.getsockname()[1]}/v1/realtime"
+    stop.set()
+    thread.join(5)
+    for connection in accepted:
+        connection.close()
+    listener.close()
+
+
+def test_the_timeout_bounds_the_whole_run_and_says_so(silent_listener, capsys):
+    started = time.monotonic()
+    assert main([silent_listener, "--callers", "2", "--seconds", "1", "--timeout", "2"]) == 1
+    elapsed = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert "did not finish within --timeout 2 s" in err, err
+    assert elapsed < 6, elapsed
+
+
+def test_ctrl_c_is_one_line_and_130(silent_listener):
+    command = [sys.executable, "-m", "mlx_voicechat_plugin.cli.main", "loadtest", silent_listener,
+               "--callers", "2", "--seconds", "5", "--timeout", "60"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    time.sleep(2.5)  # connecting: inside asyncio.run
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=30)
+    text = err.decode()
+    assert process.returncode == 130, text
+    assert "interrupted" in text and "Traceback" not in text and "never retrieved" not in text, text
