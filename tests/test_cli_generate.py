@@ -692,6 +692,31 @@ def test_mlx_vlm_generate_with_our_options_and_a_missing_model_gets_our_error(mo
     assert not (tmp_path / "r.wav").exists()
 
 
+@pytest.mark.parametrize("config", ["{not json", "[1, 2]", '{"hidden_size": 8}'],
+                         ids=["corrupt", "not-an-object", "no-model-type"])
+def test_mlx_vlm_generate_with_our_options_and_an_unreadable_config_gets_our_error(config, monkeypatch, tmp_path):
+    """A checkpoint whose config.json is unreadable (a truncated download) or names no
+    model_type, used with this package's options: our one-line error naming the file, not
+    mlx-vlm's usage text. A config naming another family still goes to mlx-vlm (below)."""
+    from mlx_voicechat_plugin.registration.shim import install
+
+    install(force=True)
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(config)
+    dispatch = importlib.import_module("mlx_vlm.generate.dispatch")
+    monkeypatch.setattr(sys, "argv", ["mlx_vlm.generate", "--model", str(checkpoint), "--audio", str(SPEECH_WAV),
+                                      f"--output-audio={tmp_path / 'r.wav'}"])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with pytest.raises(SystemExit) as caught:
+            dispatch.main()
+    assert caught.value.code == 2, err.getvalue()
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {checkpoint}"), err.getvalue()
+    assert not (tmp_path / "r.wav").exists()
+
+
 def test_generate_only_options_are_ours_alone():
     """Each routed option is one our parser takes and mlx-vlm's does not (read from its
     ``--help`` with the shim off): routing never takes a command mlx-vlm could run."""

@@ -357,7 +357,7 @@ def test_serve_options_reach_the_engine(tiny, monkeypatch):
     assert captured["engine"].max_lag is None  # one slot: the spec's behaviour, no lag bound
     assert cli.main(argv + ["--max-sessions", "4", "--tick-budget", "off"], hard_exit=False) == 0
     assert captured["engine"].budget.admits(4) and captured["engine"].max_lag == 2.0
-    for bad in (["--tick-budget", "0"], ["--max-lag", "-1"], ["--max-sessions", "many"], ["--tick-budget", "x"], ["--tick-gather", "-0.1"]):
+    for bad in (["--tick-budget", "0"], ["--tick-budget", "1.5"], ["--max-lag", "-1"], ["--max-sessions", "many"], ["--tick-budget", "x"], ["--tick-gather", "-0.1"]):
         assert cli.main(argv + bad, hard_exit=False) == 2
 
 

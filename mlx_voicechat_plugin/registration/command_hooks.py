@@ -29,13 +29,16 @@ def _cli_target_is_voicechat(argv: list[str]) -> bool:
 
 def _unresolved_with_our_options(argv: list[str]) -> bool:
     """``argv`` uses one of :data:`GENERATE_ONLY_OPTIONS` and its ``--model`` names no
-    checkpoint that can be found (locally or in the Hugging Face cache)."""
-    from ..checkpoint import find_config, model_argument
+    checkpoint of a known family: none that can be found (locally or in the Hugging Face
+    cache), or one whose ``config.json`` is unreadable or names no ``model_type`` (our CLI
+    says which). A config naming another family goes to mlx-vlm."""
+    from ..checkpoint import find_config, model_argument, read_model_type
 
     if not any(arg.split("=", 1)[0] in GENERATE_ONLY_OPTIONS for arg in argv):
         return False
     model = model_argument(argv)
-    return model is None or find_config(model) is None
+    config = None if model is None else find_config(model)
+    return config is None or read_model_type(config) is None
 
 
 @once

@@ -53,12 +53,15 @@ def _number(text: str, what: str) -> float:
 
 
 def _fraction(text: str) -> float:
-    """``--tick-budget``: a positive fraction of a frame, or ``off`` (infinity)."""
+    """``--tick-budget``: a fraction of a frame in ``(0, 1]``, or ``off`` (infinity)."""
     if text.strip().lower() == "off":
         return float("inf")
     value = _number(text, "number")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"--tick-budget must be a positive fraction of a frame, got {text}")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"--tick-budget must be a fraction of the 80 ms frame in (0, 1] (above 1 every session would fall "
+            f"behind real time), or off; got {text}"
+        )
     return value
 
 
@@ -261,10 +264,24 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
             max_connections=args.max_connections,
         )
 
+    if args.alias is not None and (
+        not args.alias.strip() or args.alias != args.alias.strip() or not args.alias.isprintable() or len(args.alias) > 256
+    ):
+        print("error: --alias must be a printable name of 1-256 characters without surrounding spaces "
+              "(it is the model id clients see)", file=sys.stderr)
+        return EXIT_USAGE
     try:  # every option is checked before the model is looked at (or the demo one built)
         make_settings(args.alias or "-", False)
     except ValueError as error:
         print(f"error: {_option_spelling(str(error))}", file=sys.stderr)
+        return EXIT_USAGE
+    if isinstance(args.max_sessions, int) and args.max_sessions > args.max_connections:
+        print(
+            f"error: --max-sessions {args.max_sessions} exceeds --max-connections {args.max_connections}: "
+            "every session holds a connection, so the extra slots could never be used (and each would be "
+            "warmed up at start); lower --max-sessions or raise --max-connections",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
 
     model_path = None
