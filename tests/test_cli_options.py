@@ -180,12 +180,14 @@ def _subprocess_main(argv: list[str], cwd: Path) -> tuple[int, str, list[str]]:
         (["serve", "--max-sessions", "8", "--max-connections", "4"], "exceeds --max-connections 4"),
         (["serve", "--alias", " "], "--alias"),
         (["serve", "--alias", "a\x1bb"], "--alias"),
+        (["serve", "--cors-origins", "not a url"], "--allowed-origins entry 'not'"),
+        (["serve", "--allowed-origins", "http://a.example/path"], "not a browser Origin"),
         (["demo", "build", "."], "already exists"),
     ],
     ids=["missing-input", "mp3-output", "generate-bad-model", "serve-bad-model", "serve-empty-key",
          "serve-blank-key", "serve-padded-key", "serve-non-ascii-key", "serve-control-key",
          "serve-sessions-over-connections", "serve-sessions-over-custom-connections", "serve-blank-alias",
-         "serve-control-alias", "demo-existing"],
+         "serve-control-alias", "serve-origin-not-url", "serve-origin-with-path", "demo-existing"],
 )
 def test_the_same_mistake_exits_2_before_heavy_imports(tmp_path, argv, words):
     code, err, heavy = _subprocess_main(argv, tmp_path)

@@ -165,6 +165,13 @@ def test_an_upgrade_to_another_path_is_404_naming_the_endpoint(plain, path):
     assert status == 404 and "/v1/realtime" in body["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/redoc"])
+def test_no_generated_api_description_is_served(plain, path):
+    """The routes are documented in docs/server.md; FastAPI's generated description was
+    served at /openapi.json (200) while /docs was off."""
+    assert http("GET", plain.http_url(path))[0] == 404
+
+
 # ---------------------------------------------------------------------- Origin
 @pytest.mark.parametrize(
     "origin", ["http://evil.example", "null", "http://localhost:1", "https://127.0.0.1"]

@@ -88,7 +88,9 @@ def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engin
             if manage_engine:
                 engine.stop()
 
-    app = FastAPI(title="mlx-voicechat-plugin realtime server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="mlx-voicechat-plugin realtime server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.settings = settings
     app.state.engine = engine
     app.state.connections = set()  # the open realtime connections (SIGTERM, tests)

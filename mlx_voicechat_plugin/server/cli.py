@@ -143,7 +143,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 #: ServerSettings fields set by a command-line option of the same name.
 _OPTION_FIELDS = (
     "api_prefix", "send_timeout", "header_timeout", "max_connections", "max_queued_messages",
-    "session_update_timeout", "idle_timeout", "max_session_seconds", "max_message_bytes",
+    "session_update_timeout", "idle_timeout", "max_session_seconds", "max_message_bytes", "allowed_origins",
 )
 
 

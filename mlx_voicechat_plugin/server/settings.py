@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 #: Largest WebSocket message or frame accepted (bytes): about 24 s of base64 PCM16.
@@ -72,8 +73,6 @@ class ServerSettings:
     def __post_init__(self):
         prefix = self.api_prefix.strip().strip("/")
         if prefix:
-            import re
-
             segments = prefix.split("/")
             if not re.fullmatch(r"[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*", prefix) or any(
                 segment in (".", "..") for segment in segments
@@ -85,6 +84,12 @@ class ServerSettings:
             prefix = "/" + prefix
         object.__setattr__(self, "api_prefix", prefix)
         origins = tuple(origin.strip().rstrip("/") for origin in self.allowed_origins if origin.strip())
+        for origin in origins:
+            if origin not in ("*", "null") and not re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/?#\s]+", origin):
+                raise ValueError(
+                    f"allowed_origins entry {origin[:80]!r} is not a browser Origin: scheme://host[:port] with no "
+                    "path (e.g. https://app.example.com), null, or *"
+                )
         object.__setattr__(self, "allowed_origins", origins)
         hosts = tuple(host.strip().lower().rstrip(".") for host in self.allowed_hosts if host.strip())
         object.__setattr__(self, "allowed_hosts", hosts)
