@@ -166,7 +166,8 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2(tiny, option, value
 @pytest.mark.parametrize(
     "host",
     ["[::1]evil.test", "[::1]:80evil.test", "[::1]@evil.test", "[127.0.0.1]", "[localhost]", "[::1",
-     "localhost:80x", "127.0.0.1:80:90x", "127.0.0.1 evil.test", "localhost:8080/evil.test"],
+     "localhost:80x", "127.0.0.1:80:90x", "127.0.0.1 evil.test", "localhost:8080/evil.test", "localhost:99999",
+     "127.0.0.1:000080000", "[::1]:65536"],
 )
 def test_malformed_host_headers_are_refused(host):
     from mlx_voicechat_plugin.server.security import host_allowed

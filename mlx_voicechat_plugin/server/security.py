@@ -33,9 +33,10 @@ def host_name(host: str) -> str:
     """The name part of a ``Host`` header value, lower case, without port or trailing dot
     (``"[::1]:8080"`` -> ``"::1"``, ``"Example.test.:80"`` -> ``"example.test"``).
 
-    Parsed strictly: only ``:`` and digits may follow the name (or the ``]`` of a
+    Parsed strictly: only ``:`` and a port (0-65535) may follow the name (or the ``]`` of a
     bracketed IPv6 literal), and brackets hold an IPv6 address; anything else (e.g.
-    ``"[::1]evil.test"``) gives ``""``, which :func:`host_allowed` refuses.
+    ``"[::1]evil.test"``, ``"localhost:99999"``) gives ``""``, which :func:`host_allowed`
+    refuses.
     """
     import re
 
@@ -55,8 +56,8 @@ def host_name(host: str) -> str:
     else:
         name, colon, port = host.partition(":")
         rest = colon + port
-    if rest and not re.fullmatch(r":[0-9]*", rest):
-        return ""
+    if rest and (not re.fullmatch(r":[0-9]{0,5}", rest) or (rest[1:] and int(rest[1:]) > 65535)):
+        return ""  # a port that no TCP connection can have (``localhost:99999``)
     return name.rstrip(".")
 
 
