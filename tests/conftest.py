@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -123,3 +125,30 @@ def slot_released(server):
     server.wait_slot_free()
     yield
     server.wait_slot_free()
+
+
+@pytest.fixture
+def silent_listener():
+    """A TCP port that accepts connections and never answers (no WebSocket handshake)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"ws://127.0.0.1:{listener.getsockname()[1]}/v1/realtime"
+    stop.set()
+    thread.join(5)
+    for connection in accepted:
+        connection.close()
+    listener.close()

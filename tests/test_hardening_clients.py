@@ -147,3 +147,19 @@ def test_clients_refuse_bad_urls_seeds_and_keys_before_connecting(tmp_path, caps
         code = microphone.main(["ws://127.0.0.1:9/v1/realtime", *options], backend=FakeSoundDevice())
         err = capsys.readouterr().err
         assert code == 2 and words in err and "ключ" not in err, err
+
+
+def test_the_receive_timeout_also_bounds_an_unanswered_upgrade(silent_listener, tmp_path, capsys):
+    """A server that accepts the TCP connection and never answers the upgrade: the file
+    client gave up after its fixed 15 s whatever ``--receive-timeout`` said."""
+    import time
+
+    from mlx_voicechat_plugin.clients.file import main
+
+    from .conftest import SPEECH_WAV
+
+    started = time.monotonic()
+    code = main([silent_listener, str(SPEECH_WAV), str(tmp_path / "a.wav"), "-q", "--receive-timeout", "2"])
+    elapsed = time.monotonic() - started
+    assert code == 1 and elapsed < 8, (code, elapsed, capsys.readouterr().err)
+    assert not (tmp_path / "a.wav").exists()

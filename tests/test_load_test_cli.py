@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -70,33 +68,6 @@ def test_solo_runs_refused_by_a_busy_server_are_failures_not_equality(server, ca
     assert "solo run failed" in out and "no answer was compared" in out, out
     assert "equals its solo run: yes" not in out
     server.wait_slot_free()
-
-
-@pytest.fixture
-def silent_listener():
-    """A TCP port that accepts connections and never answers (no WebSocket handshake)."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    accepted: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept():
-        listener.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                accepted.append(listener.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"ws://127.0.0.1:{listener.getsockname()[1]}/v1/realtime"
-    stop.set()
-    thread.join(5)
-    for connection in accepted:
-        connection.close()
-    listener.close()
 
 
 def test_the_timeout_bounds_the_whole_run_and_says_so(silent_listener, capsys):

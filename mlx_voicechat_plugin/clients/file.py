@@ -122,9 +122,11 @@ async def run_file_turn(
     Raises:
         ClientError: any failure (see :mod:`.errors`).
     """
-    # --receive-timeout bounds every wait for the server, session.updated included.
+    # --receive-timeout bounds every wait for the server: the WebSocket upgrade (at most the
+    # default 15 s) and session.updated included.
     socket, state = await open_session(
-        url, system_prompt=system_prompt, seed=seed, api_key=api_key, origin=origin, configure_timeout=receive_timeout
+        url, system_prompt=system_prompt, seed=seed, api_key=api_key, origin=origin,
+        open_timeout=min(15.0, receive_timeout), configure_timeout=receive_timeout,
     )
 
     async def send_all() -> None:
