@@ -90,3 +90,17 @@ def test_ctrl_c_is_one_line_and_130(silent_listener):
     text = err.decode()
     assert process.returncode == 130, text
     assert "interrupted" in text and "Traceback" not in text and "never retrieved" not in text, text
+
+
+def test_a_timeout_during_the_paced_run_reports_what_was_measured(server, capsys):
+    """Past --timeout while callers still talk: they are stopped and the report shows the
+    frames they had (it was lost with an empty error message)."""
+    started = time.monotonic()
+    assert main([server.ws_url, "--callers", "1", "--seconds", "8", "--no-compare", "--timeout", "3"]) == 1
+    elapsed = time.monotonic() - started
+    out, err = capsys.readouterr()
+    assert "reached --timeout" in out and "unfinished at --timeout" in out, out
+    frames = int(out.split(" late ")[1].split("/")[1].split()[0]) if " late " in out else 0
+    assert 0 < frames < 100, out  # some of the 100 paced frames, not all
+    assert elapsed < 8, elapsed
+    server.wait_slot_free()

@@ -158,11 +158,13 @@ def _connect(url: str, api_key: str | None):
 
 
 async def run_caller(url: str, index: int, samples: np.ndarray, join_at: float | None, timeout: float,
-                     retry: float = 0.0, patience: float = 0.0, api_key: str | None = None) -> CallerResult:
+                     retry: float = 0.0, patience: float = 0.0, api_key: str | None = None,
+                     result: CallerResult | None = None) -> CallerResult:
     """One default-dialect caller: connects at ``join_at`` (a ``time.monotonic`` reading;
     None: at once, appends unpaced), appends paced from its ``session.updated``, then a
-    commit; with ``retry`` a refused caller tries again (:func:`with_retries`)."""
-    result = CallerResult(index)
+    commit; with ``retry`` a refused caller tries again (:func:`with_retries`). It records
+    into ``result`` when given (what it measured survives a cancellation)."""
+    result = result or CallerResult(index)
 
     async def attempt():
         sent: list[float] = []
@@ -214,13 +216,14 @@ async def run_caller(url: str, index: int, samples: np.ndarray, join_at: float |
 
 
 async def run_openai_caller(url: str, index: int, samples: np.ndarray, join_at: float, timeout: float,
-                            retry: float = 0.0, patience: float = 0.0, api_key: str | None = None) -> CallerResult:
+                            retry: float = 0.0, patience: float = 0.0, api_key: str | None = None,
+                            result: CallerResult | None = None) -> CallerResult:
     """One OpenAI-dialect caller (connects at ``join_at``; 24 kHz PCM appends paced from its
     ``session.created``, server VAD); it closes the socket one second after its last
     append; with ``retry`` a refused caller tries again (:func:`with_retries`)."""
     import soxr
 
-    result = CallerResult(index)
+    result = result or CallerResult(index)
     pcm24 = soxr.resample(samples, INPUT_SAMPLE_RATE, 24_000).astype(np.float32)
     step = round(FRAME_SECONDS * 24_000)
 
@@ -299,8 +302,9 @@ def _lag_quantiles(before: dict, after: dict) -> dict:
 async def run_load(url: str, callers: int, seconds: float, stagger: float, base: list[np.ndarray], dialect: str,
                    timeout: float, compare: bool = True, retry: float = 0.0, api_key: str | None = None) -> dict:
     """Run the load test (module docstring) within ``timeout`` seconds in all (solo runs and
-    ``/metrics`` scrapes included; ``asyncio.TimeoutError`` past it); returns the report as a
-    dict (``admitted``: callers the server took, at the first attempt or a retry; ``refused``:
+    ``/metrics`` scrapes included): past it during the solo runs ``asyncio.TimeoutError``;
+    during the paced run the callers are stopped and the report holds what they measured
+    (``timed_out``; each unfinished caller an entry in ``errors``). Returns the report as a dict (``admitted``: callers the server took, at the first attempt or a retry; ``refused``:
     turned away with ``server_busy``; any other failure, a solo run's included, is listed in
     ``errors``)."""
     deadline = time.monotonic() + timeout
@@ -321,10 +325,23 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
     before = scrape(url, min(10.0, left()))
     began = time.monotonic() + 0.2
     runner = run_openai_caller if dialect == "openai" else run_caller
-    tasks = [runner(target, i, inputs[i], began + i * stagger, left(), retry, seconds, api_key) for i in range(callers)]
-    results = await asyncio.wait_for(asyncio.gather(*tasks), left())
-    after = scrape(url, min(10.0, left()))
+    results = [CallerResult(i) for i in range(callers)]
+    tasks = [
+        asyncio.ensure_future(runner(target, i, inputs[i], began + i * stagger, left(), retry, seconds, api_key, results[i]))
+        for i in range(callers)
+    ]
+    _, unfinished = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+    for task in unfinished:  # past --timeout: what they measured so far is reported
+        task.cancel()
+    await asyncio.gather(*unfinished, return_exceptions=True)
     errors = []
+    if unfinished:
+        try:  # the server's figures, if it answers at once
+            after = scrape(url, 2.0)
+        except OSError:
+            after = before
+    else:
+        after = scrape(url, min(10.0, left()))
     for result, alone in zip(results, solo):
         if alone.error is not None or not alone.admitted:  # the server was not free for it
             errors.append(f"caller #{result.index}: its solo run failed ({alone.error or 'no session'}), nothing to compare")
@@ -332,7 +349,9 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
         if not result.admitted:  # turned away: no answer to compare
             continue
         result.equal_to_solo = result.error is None and bool(result.answer) and result.answer == alone.answer
-    for result in results:
+    for result, task in zip(results, tasks):
+        if task in unfinished:
+            result.error = result.error or "unfinished at --timeout"
         if result.error and not result.refused:
             errors.append(f"caller #{result.index}: {result.error}")
     compared = [result.equal_to_solo for result in results if result.equal_to_solo is not None]
@@ -358,6 +377,7 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
         "admitted": sum(1 for result in results if result.admitted),
         "refused": sum(1 for result in results if result.refused),
         "errors": errors,
+        "timed_out": bool(unfinished),
     }
 
 
@@ -387,6 +407,8 @@ def _print(report: dict) -> None:
     for error in report["errors"]:
         if "solo run" in error:
             print(f"error: {error}")
+    if report["timed_out"]:
+        print("error: the run reached --timeout; the unfinished callers were stopped and the figures are partial")
     if report["all_equal_to_solo"] is not None:
         print("every answer equals its solo run: " + ("yes" if report["all_equal_to_solo"] else "NO"))
     elif report["compared"] is False:
