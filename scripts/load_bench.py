@@ -117,8 +117,10 @@ def _load(url: str, callers: int, args, speech, server: Server | None = None, re
     if args.soak and server is not None:
         sampler.start()
     async def measured():
+        # the timeout bounds the whole run: each caller's solo run too when comparing
+        runs = callers + 1 if args.compare else 1
         load = run_load(url, callers, args.seconds, args.stagger, [speech], "default",
-                        timeout=args.seconds + 600, compare=args.compare, retry=retry)
+                        timeout=(args.seconds + 600) * runs, compare=args.compare, retry=retry)
         if not args.join_prompt_words:
             return await load
         joins: list[dict] = []
