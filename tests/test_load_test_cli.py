@@ -40,8 +40,9 @@ def test_bad_options_are_usage_errors_before_any_connection(tmp_path, capsys, op
     assert words in err and "Traceback" not in err and "ключ" not in err, err
 
 
-def test_a_bad_port_is_a_usage_error(capsys):
-    assert main(["ws://127.0.0.1:99999/v1/realtime"]) == 2
+@pytest.mark.parametrize("url", ["ws://127.0.0.1:99999/v1/realtime", "ws://[bad/v1"])
+def test_a_bad_port_or_host_is_a_usage_error(capsys, url):
+    assert main([url]) == 2
     assert "server on this machine only" in capsys.readouterr().err
 
 

@@ -164,7 +164,7 @@ async def run_caller(url: str, index: int, samples: np.ndarray, join_at: float |
     None: at once, appends unpaced), appends paced from its ``session.updated``, then a
     commit; with ``retry`` a refused caller tries again (:func:`with_retries`). It records
     into ``result`` when given (what it measured survives a cancellation)."""
-    result = result or CallerResult(index)
+    result = CallerResult(index) if result is None else result
 
     async def attempt():
         sent: list[float] = []
@@ -223,7 +223,7 @@ async def run_openai_caller(url: str, index: int, samples: np.ndarray, join_at: 
     append; with ``retry`` a refused caller tries again (:func:`with_retries`)."""
     import soxr
 
-    result = result or CallerResult(index)
+    result = CallerResult(index) if result is None else result
     pcm24 = soxr.resample(samples, INPUT_SAMPLE_RATE, 24_000).astype(np.float32)
     step = round(FRAME_SECONDS * 24_000)
 
@@ -304,9 +304,10 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
     """Run the load test (module docstring) within ``timeout`` seconds in all (solo runs and
     ``/metrics`` scrapes included): past it during the solo runs ``asyncio.TimeoutError``;
     during the paced run the callers are stopped and the report holds what they measured
-    (``timed_out``; each unfinished caller an entry in ``errors``). Returns the report as a dict (``admitted``: callers the server took, at the first attempt or a retry; ``refused``:
-    turned away with ``server_busy``; any other failure, a solo run's included, is listed in
-    ``errors``)."""
+    (``timed_out``; each unfinished caller an entry in ``errors``). Returns the report as a
+    dict (``admitted``: callers the server took, at the first attempt or a retry;
+    ``refused``: turned away with ``server_busy``; any other failure, a solo run's included,
+    is listed in ``errors``)."""
     deadline = time.monotonic() + timeout
 
     def left() -> float:
@@ -320,8 +321,7 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
     solo: list[CallerResult] = []
     if compare and dialect != "openai":
         for i, samples in enumerate(inputs):  # each input alone, unpaced
-            alone = await asyncio.wait_for(run_caller(url, i, samples, None, left(), api_key=api_key), left())
-            solo.append(alone)
+            solo.append(await asyncio.wait_for(run_caller(url, i, samples, None, left(), api_key=api_key), left()))
     before = scrape(url, min(10.0, left()))
     began = time.monotonic() + 0.2
     runner = run_openai_caller if dialect == "openai" else run_caller
@@ -460,13 +460,13 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat loadtest")
         args = build_parser(prog).parse_args(argv)
     except SystemExit as exit_:
         return 2 if exit_.code not in (0, None) else 0
-    try:
+    try:  # a malformed host (``ws://[bad``) or port is a usage error too
         parts = urlsplit(args.url)
-        host = parts.hostname
-        parts.port  # noqa: B018 - a bad port is a usage error
+        scheme, host = parts.scheme, parts.hostname
+        parts.port  # noqa: B018 - parsed here so that a bad port is refused
     except ValueError:
-        host = None
-    if urlsplit(args.url).scheme not in ("ws", "wss") or host not in LOOPBACK:
+        scheme = host = None
+    if scheme not in ("ws", "wss") or host not in LOOPBACK:
         print(f"error: the load test runs against a server on this machine only (ws://127.0.0.1:PORT/...), got {args.url!r}", file=sys.stderr)
         return 2
     numbers = (args.seconds, args.stagger, args.retry, args.timeout)
