@@ -17,7 +17,9 @@ The runtime asks the loaded model for these contexts (:func:`execution_of`):
 * :meth:`Execution.attention_per_session` says how a batched one-query attention over
   sessions' KV caches of different lengths runs: one call per session, or one call over
   the keys zero-padded and masked (the same bits per row either way);
-* :meth:`Execution.attention` is the attention call a batched step makes (mlx-vlm's).
+* :meth:`Execution.attention` is the attention call a batched step makes (mlx-vlm's);
+* :meth:`Execution.attend_each` builds a batched step's per-session attention calls (in
+  order on the caller's stream by default; on a CPU model shared between two streams).
 
 The default does nothing beyond MLX's defaults, so it is right on every device. An optional
 acceleration layer (:mod:`mlx_voicechat_plugin.accel`) may give a model another policy at
@@ -64,6 +66,20 @@ class Execution:
         and values (mlx-vlm ``scaled_dot_product_attention``'s arguments and result);
         default: that function."""
         return scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask)
+
+    def attend_each(self, calls: list, works: list[int]) -> list:
+        """Build each session's attention call of a batched step and return their outputs,
+        in order.
+
+        Args:
+            calls: zero-argument callables, each one session's attention (independent of
+                the others); each returns an ``mx.array``.
+            works: per call its multiply-adds (``2 x query rows x T x head_dim``), which a
+                policy may use to share the calls between streams.
+
+        Default: each call in order on the caller's stream.
+        """
+        return [call() for call in calls]
 
     def compiled_by_default(self) -> bool:
         """True when ``MLX_VOICECHAT_COMPILE=auto`` (the default) should compile the

@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -70,6 +71,14 @@ class Server:
         self._log = open(log, "ab") if log else None  # noqa: SIM115 - closed in __exit__
         sink = self._log or subprocess.DEVNULL
         self.process = subprocess.Popen(command, stdout=sink, stderr=sink)
+        try:
+            self._wait_until_up()
+        except BaseException:  # not up, an error or a signal: stop it before leaving
+            self.__exit__(None, None, None)
+            raise
+        self.url = f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    def _wait_until_up(self) -> None:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         deadline = time.monotonic() + 600
         while True:
@@ -78,13 +87,12 @@ class Server:
             try:
                 with opener.open(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
                     if response.status == 200:
-                        break
+                        return
             except OSError:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("the server did not come up in 600 s")
             time.sleep(0.5)
-        self.url = f"ws://127.0.0.1:{self.port}/v1/realtime"
 
     def __enter__(self):
         return self
@@ -200,6 +208,9 @@ def main() -> int:
                              "another (an extra slot); prints each join's seconds to session.updated")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    # a SIGTERM unwinds like Ctrl-C, so the servers started here are stopped and the
+    # built checkpoints removed (the default handler would leave the servers running)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     counts = args.callers or list(range(1, args.max_callers + 1))
     speech = read_audio(sample_speech(), 16_000)
     rows = []

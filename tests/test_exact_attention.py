@@ -70,7 +70,8 @@ def test_attention_is_bit_identical_to_mlx(products, dtype, heads, kv_heads, len
             want = scaled_dot_product_attention(q, k, v, None, scale=0.125, mask=mask)
             got = exact.exact_attention(q, k, v, None, scale=0.125, mask=mask)
             assert _same(got, want), (keys_length, None if mask is None else getattr(mask, "shape", mask))
-            assert len(products) == 2  # both products native
+            halves = exact._halves(q, k, v)
+            assert len(products) == (2 if halves is None else 4)  # every product native
 
 
 def test_attention_leaves_to_upstream_what_it_does_not_cover(products, monkeypatch):
@@ -99,6 +100,62 @@ def test_attention_leaves_to_upstream_what_it_does_not_cover(products, monkeypat
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     exact.exact_attention(q, k, v, None, 0.25)
     assert len(called) == 3 and not products
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("batch,heads,kv_heads,length", [(2, 4, 4, 1), (3, 8, 4, 1), (1, 8, 4, 1), (1, 4, 4, 6), (1, 6, 3, 2)])
+def test_two_core_attention_is_bit_identical_to_one_call(products, monkeypatch, dtype, batch, heads, kv_heads, length):
+    """Long keys split the batch rows (or, for one row, the key heads, odd counts too)
+    between the two CPU streams: every output bit equals the unsplit call and MLX's, for
+    every mask form; the second half really runs on the second stream."""
+    rng = np.random.default_rng(batch * 1000 + heads * 100 + kv_heads * 10 + length)
+    keys_length = 2500
+    q = _random(rng, (batch, heads, length, 64), dtype, 2.0)
+    k = _random(rng, (batch, kv_heads, keys_length, 64), dtype)
+    v = _random(rng, (batch, kv_heads, keys_length, 64), dtype)
+    window = mx.arange(keys_length)[None, :] >= keys_length - 900 - mx.arange(length)[:, None]
+    additive = mx.where(window, 0.0, -float("inf")).astype(dtype)
+    per_head = _random(rng, (1, heads, length, keys_length), dtype)
+    per_row = _random(rng, (batch, 1, length, keys_length), dtype)
+    halves = exact._halves(q, k, v)
+    assert halves is not None and halves[0] == (0 if batch >= 2 else 1)
+    streams = []
+    original = exact._attention_whole
+    monkeypatch.setattr(
+        exact, "_attention_whole",
+        lambda *a: streams.append(str(mx.default_stream(mx.cpu))) or original(*a),
+    )
+    for mask in (None, window, additive, additive[None, None], per_head, per_row):
+        products.clear()
+        streams.clear()
+        want = scaled_dot_product_attention(q, k, v, None, scale=0.125, mask=mask)
+        got = exact.exact_attention(q, k, v, None, scale=0.125, mask=mask)
+        whole = original(q, k, v, 0.125, mask)
+        assert _same(got, want) and _same(got, whole), None if mask is None else mask.shape
+        assert len(products) == 6 and len(streams) == 2 and streams[0] != streams[1]
+
+
+def test_attention_splits_only_long_keys_on_the_cpu_with_two_cores(monkeypatch):
+    """Short keys, ``MLX_VOICECHAT_CPU_SPLIT=0``, a call already inside a split, and one
+    row with one key head stay whole."""
+    from mlx_voicechat_plugin.accel.cpu import parallel
+
+    rng = np.random.default_rng(5)
+
+    def operands(batch, kv_heads, keys_length):
+        q = _random(rng, (batch, 4, 1, 64), mx.float32)
+        k = _random(rng, (batch, kv_heads, keys_length, 64), mx.float32)
+        return q, k, k
+
+    work = lambda batch, keys_length: 2 * batch * 4 * keys_length * 64  # noqa: E731
+    short = exact.MIN_ATTENTION_SPLIT_WORK // work(2, 1) - 1
+    assert exact._halves(*operands(2, 4, short)) is None
+    assert exact._halves(*operands(2, 4, short + 2)) is not None
+    assert exact._halves(*operands(1, 1, 20000)) is None
+    with parallel.unsplit():
+        assert exact._halves(*operands(2, 4, 4000)) is None
+    monkeypatch.setenv(parallel.SPLIT_ENV, "0")
+    assert exact._halves(*operands(2, 4, 4000)) is None
 
 
 def _gemma3_attention(rng, sliding: bool) -> Gemma3Attention:
@@ -174,6 +231,59 @@ def test_cpu_policy_attends_with_native_products(products):
     want = scaled_dot_product_attention(q, k, v, KVCache(), scale=0.25, mask=None)
     assert _same(CpuExecution().attention(q, k, v, KVCache(), 0.25), want)
     assert len(products) == 2
+
+
+def test_session_lanes_balance_whole_calls_or_leave_them_in_order(monkeypatch):
+    """Two calls or more with enough work together share the lanes, the largest first onto
+    the less loaded one; one call, too little work, a call with more than half of it, a
+    call inside a split or the split switched off: None (in order)."""
+    from mlx_voicechat_plugin.accel.cpu import parallel
+
+    big = exact.MIN_SESSIONS_SPLIT_WORK
+    assert exact.session_lanes([big, big, big, big]) == [0, 1, 0, 1]
+    assert exact.session_lanes([big // 2, 3 * big, 2 * big, big]) == [0, 0, 1, 1]
+    assert exact.session_lanes([big, big]) == [0, 1]
+    assert exact.session_lanes([4 * big]) is None
+    assert exact.session_lanes([big // 8] * 4) is None
+    assert exact.session_lanes([10 * big, big, big, big]) is None
+    with parallel.unsplit():
+        assert exact.session_lanes([big, big]) is None
+    monkeypatch.setenv(parallel.SPLIT_ENV, "0")
+    assert exact.session_lanes([big, big]) is None
+
+
+@pytest.mark.parametrize("lengths", [[3000, 2500, 100, 4000], [300, 300], [6000, 50, 40], [20, 30, 25]])
+def test_cpu_policy_attends_sessions_on_both_streams_with_the_same_bits(monkeypatch, lengths):
+    """A batched step's per-session calls through the CPU policy (lanes, halves or in
+    order, as :func:`session_lanes` and the call sizes decide): every row bit-identical to
+    the session's own upstream call."""
+    from mlx_voicechat_plugin.runtime.stages.rows import attend_sessions
+
+    rng = np.random.default_rng(sum(lengths))
+    policy = CpuExecution()
+    streams = []
+    original = exact._attention_whole
+    monkeypatch.setattr(
+        exact, "_attention_whole", lambda *a: streams.append(str(mx.default_stream(mx.cpu))) or original(*a)
+    )
+    queries = _random(rng, (2 * len(lengths), 4, 1, 64), mx.float32, 2.0)
+    fetched, caches, solo = [], [], []
+    for index, length in enumerate(lengths):
+        buffer = _random(rng, (2, 2, 4, length + 7, 64), mx.float32)  # sliced, as a cache returns them
+        keys, values = buffer[0, :, :, :length], buffer[1, :, :, :length]
+        fetched.append((keys, values))
+        caches.append(KVCache())
+        own = queries[2 * index : 2 * index + 2]
+        solo.append(scaled_dot_product_attention(own, keys, values, None, scale=0.125, mask=None))
+    got = attend_sessions(
+        queries, fetched, caches, 0.125, per_session=True, rows=2, attention=policy.attention, each=policy.attend_each
+    )
+    assert _same(got, mx.concatenate(solo, axis=0))
+    works = [2 * 2 * 4 * length * 64 for length in lengths]
+    lanes = exact.session_lanes(works)
+    halves = sum(work >= exact.MIN_ATTENTION_SPLIT_WORK for work in works) if lanes is None else 0
+    assert len(streams) == len(lengths) + halves
+    assert len(set(streams)) == (2 if lanes is not None or halves else 1)
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)

@@ -33,6 +33,16 @@ from mlx_vlm.models.gemma3.language import Attention as Gemma3Attention
 from mlx_vlm.models.nemotron_h.language import NemotronHAttention
 
 from . import native
+from .parallel import split_stream
+
+#: Smallest attention (multiply-adds of its two products) split across the two cores: at
+#: about a million, one frame's split and unsplit calls took the same time (a guided pair's
+#: four heads of 64 over 1,000 keys, or one row's eight query heads over four key heads),
+#: so the split starts at twice that, about 2,000 keys (160 s into a session).
+MIN_ATTENTION_SPLIT_WORK = 1 << 21
+#: Smallest total of a batched step's per-session attention calls (multiply-adds) shared
+#: between the two cores, whole calls on each (:func:`session_lanes`).
+MIN_SESSIONS_SPLIT_WORK = 1 << 20
 
 #: KV caches whose keys and values are plain arrays (no quantized state to read).
 _PLAIN_CACHES = (KVCache, RotatingKVCache)
@@ -82,11 +92,100 @@ def attention_fallback(q: mx.array, k: mx.array, v: mx.array, scale: float, mask
     ``(B, n_kv_heads, r, L, D)`` against keys ``(B, n_kv_heads, 1, T, D)``; here the ``r * L``
     query rows of a key head are one product against its keys, row for row the same sums.
 
+    Long keys (a session minutes in) are read from memory once per frame and make this
+    bandwidth-bound on one core; when the work is large enough for the two-core split to
+    pay (:data:`MIN_ATTENTION_SPLIT_WORK`, :func:`.parallel.split_stream`), the second half
+    of the batch rows (or, for one row, of the key heads) is computed on the second CPU
+    stream: every output element is the same computation on the same inputs, only on
+    another core (``tests/test_exact_attention.py``).
+
     Args:
         q: ``(B, n_heads, L, D)``; k, v: ``(B, n_kv_heads, T, D)``; one floating dtype.
         mask: None, or a boolean (True: attend) or additive mask of the dtype, broadcastable
             to ``(B, n_heads, L, T)``.
     """
+    halves = _halves(q, k, v)
+    if halves is None:
+        return _attention_whole(q, k, v, scale, mask)
+    axis, split, other = halves
+    query_split = split if axis == 0 else split * (q.shape[1] // k.shape[1])
+    first = _attention_whole(
+        _part(q, axis, 0, query_split), _part(k, axis, 0, split), _part(v, axis, 0, split),
+        scale, _mask_part(mask, axis, 0, query_split),
+    )
+    with mx.stream(other):
+        second = _attention_whole(
+            _part(q, axis, query_split, None), _part(k, axis, split, None), _part(v, axis, split, None),
+            scale, _mask_part(mask, axis, query_split, None),
+        )
+    return mx.concatenate([first, second], axis=axis)
+
+
+def _halves(q: mx.array, k: mx.array, v: mx.array):
+    """``(axis, split, stream)``: split the batch (axis 0) when it has two rows or more,
+    else the key heads (axis 1), at ``split``, the second part on ``stream``; or None when
+    splitting does not pay (fewer multiply-adds than :data:`MIN_ATTENTION_SPLIT_WORK`), is
+    off (:func:`.parallel.split_stream`: another device, one core, ``MLX_VOICECHAT_CPU_SPLIT=0``,
+    already inside a split) or there is nothing to split."""
+    batch, heads, length, depth = q.shape
+    if batch >= 2 and k.shape[0] == v.shape[0] == batch:
+        axis, parts = 0, batch
+    elif k.shape[1] >= 2 and k.shape[0] == v.shape[0] == batch:
+        axis, parts = 1, k.shape[1]
+    else:
+        return None
+    work = 2 * batch * heads * length * k.shape[2] * depth
+    other = split_stream(work) if work >= MIN_ATTENTION_SPLIT_WORK else None
+    return None if other is None else (axis, parts // 2, other)
+
+
+def session_lanes(works: list[int]) -> list[int] | None:
+    """How a batched step's per-session attention calls share the two CPU streams: per call
+    its lane (0: the caller's stream, 1: the secondary stream), or None to build them in
+    order on the caller's stream, each splitting itself when long (:func:`attention_fallback`).
+
+    Whole calls go to the less loaded lane, the largest first (each reads only its own
+    session's keys, so a core per call needs no join inside it), when there are two calls
+    or more, their multiply-adds together reach :data:`MIN_SESSIONS_SPLIT_WORK`, the split
+    is on (:func:`.parallel.split_stream`) and no call has more than half of them (one long
+    session among short ones: its own halves balance the cores better). Six layers of four
+    guided pairs (four heads of 64): 3.1 against 4.1 ms on one stream at 300 keys each
+    (1.2 million multiply-adds a layer), 6.8 against 10.5 ms at 1,000; two pairs at 150
+    keys each (0.6 million) took longer shared (1.6 against 1.1 ms), hence the minimum.
+
+    Args:
+        works: per call its multiply-adds.
+    """
+    total = sum(works)
+    if len(works) < 2 or total < MIN_SESSIONS_SPLIT_WORK or 2 * max(works) > total or split_stream(total) is None:
+        return None
+    lanes, loads = [0] * len(works), [0, 0]
+    for index in sorted(range(len(works)), key=lambda i: -works[i]):
+        lane = 0 if loads[0] <= loads[1] else 1
+        lanes[index] = lane
+        loads[lane] += works[index]
+    return lanes
+
+
+def _part(array: mx.array, axis: int, start: int, stop: int | None) -> mx.array:
+    return array[start:stop] if axis == 0 else array[:, start:stop]
+
+
+def _mask_part(mask: mx.array | None, axis: int, start: int, stop: int | None) -> mx.array | None:
+    """The mask's part for batch rows / query heads ``[start, stop)``: the same mask where
+    it broadcasts along ``axis`` (a size-1 or missing axis)."""
+    if mask is None:
+        return None
+    position = axis - (4 - mask.ndim)  # the mask's axis aligned with (B, n_heads, L, T)
+    if position < 0 or mask.shape[position] == 1:
+        return mask
+    index = [slice(None)] * mask.ndim
+    index[position] = slice(start, stop)
+    return mask[tuple(index)]
+
+
+def _attention_whole(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None) -> mx.array:
+    """:func:`attention_fallback` on one stream."""
     batch, heads, length, _ = q.shape
     kv_heads = k.shape[1]
     q = mx.array(scale, dtype=q.dtype) * q

@@ -10,7 +10,9 @@
   are built one on the calling thread's default stream, one on its secondary stream
   (:func:`.parallel.secondary_stream`), their products left whole (each lane has a core);
 * attention runs the CPU backend's own computation with native products
-  (:func:`.attention.exact_attention`).
+  (:func:`.attention.exact_attention`), long keys on both cores; a batched step's
+  per-session attention calls are shared between the two streams
+  (:func:`.attention.session_lanes`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import contextlib
 import mlx.core as mx
 
 from ...execution import Execution
-from .attention import exact_attention
+from .attention import exact_attention, session_lanes
 from .parallel import on_side_stream, secondary_stream, side_stream, split_enabled, unsplit
 
 
@@ -38,6 +40,20 @@ class CpuExecution(Execution):
     def attention(self, queries, keys, values, cache, scale: float, mask=None) -> mx.array:
         """:func:`.attention.exact_attention` (the same bits as the default, faster)."""
         return exact_attention(queries, keys, values, cache, scale=scale, mask=mask)
+
+    def attend_each(self, calls: list, works: list[int]) -> list:
+        """The calls shared between this thread's default and secondary CPU streams, each
+        whole on its lane, when :func:`.attention.session_lanes` says so; otherwise in
+        order (each long call splitting itself). Same outputs either way."""
+        lanes = session_lanes(works)
+        if lanes is None:
+            return super().attend_each(calls, works)
+        secondary = secondary_stream()
+        outputs = []
+        for call, lane in zip(calls, lanes):
+            with _on_stream_unsplit(secondary) if lane else unsplit():
+                outputs.append(call())
+        return outputs
 
     def lanes(self, rows: int) -> list:
         """Two lanes (default stream, secondary stream; products unsplit in both) when the

@@ -119,6 +119,7 @@ def _attention(attention, x: mx.array, entries: list, execution) -> mx.array:
     output = attend_sessions(
         queries, fetched, entries, attention.scale,
         per_session=execution.attention_per_session(), attention=execution.attention,
+        each=execution.attend_each,
     )
     return attention.o_proj(output.transpose(0, 2, 1, 3).reshape(sessions, 1, -1))
 

@@ -9,6 +9,8 @@ these helpers gather, scatter and pad without changing any value.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 from mlx_vlm.models.base import scaled_dot_product_attention
@@ -72,6 +74,7 @@ def attend_sessions(
     per_session: bool,
     rows: int = 1,
     attention=scaled_dot_product_attention,
+    each=None,
 ) -> mx.array:
     """One-query attention of ``B`` sessions' rows, each session's against its own keys.
 
@@ -92,6 +95,9 @@ def attend_sessions(
         rows: rows per session (2 for a guidance pair).
         attention: the attention call, with mlx-vlm ``scaled_dot_product_attention``'s
             arguments (the model's policy's :meth:`~mlx_voicechat_plugin.execution.Execution.attention`).
+        each: how the per-session calls are built, ``each(calls, works) -> outputs`` (the
+            policy's :meth:`~mlx_voicechat_plugin.execution.Execution.attend_each`, which
+            may put them on several streams); None: in order on the caller's stream.
 
     Returns:
         ``(B * rows, heads, 1, head_dim)``, each row bit-identical to its session's solo
@@ -100,8 +106,14 @@ def attend_sessions(
     if not per_session:
         keys, values, mask = padded_keys(fetched, rows=rows)
         return attention(q, keys, values, caches[0], scale=scale, mask=mask)
-    outputs = [
-        attention(q[rows * i : rows * (i + 1)], keys, values, cache, scale=scale, mask=None)
+    calls = [
+        functools.partial(attention, q[rows * i : rows * (i + 1)], keys, values, cache, scale=scale, mask=None)
         for i, ((keys, values), cache) in enumerate(zip(fetched, caches))
     ]
+    if each is None:
+        outputs = [call() for call in calls]
+    else:
+        heads, length, depth = q.shape[1:]
+        works = [2 * rows * heads * length * keys.shape[-2] * depth for keys, _ in fetched]
+        outputs = each(calls, works)
     return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
