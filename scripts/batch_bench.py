@@ -213,6 +213,20 @@ def _same_events(alone, batched) -> bool:
     )
 
 
+def checkpoint_path(model: str | None, preset: str) -> Path:
+    """``model`` when given, else the ``preset`` demo checkpoint in the package's cache
+    (``MLX_VOICECHAT_CACHE``), built there on first use."""
+    if model:
+        return Path(model)
+    from mlx_voicechat_plugin.demo import build_checkpoint
+
+    cache = Path(os.environ.get("MLX_VOICECHAT_CACHE", Path.home() / ".cache" / "mlx-voicechat-plugin"))
+    path = cache / f"bench-batch-{preset}"
+    if not (path / "config.json").exists():
+        build_checkpoint(path, preset, seed=0)
+    return path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint directory (default: a demo checkpoint of --preset)")
@@ -232,15 +246,7 @@ def main(argv=None) -> int:
         parser.error("need --repeats >= 1, --frames > --warmup and session counts >= 1")
     from mlx_voicechat_plugin.loading import load
 
-    if args.model:
-        path = Path(args.model)
-    else:
-        from mlx_voicechat_plugin.demo import build_checkpoint
-
-        cache = Path(os.environ.get("MLX_VOICECHAT_CACHE", Path.home() / ".cache" / "mlx-voicechat-plugin"))
-        path = cache / f"bench-batch-{args.preset}"
-        if not (path / "config.json").exists():
-            build_checkpoint(path, args.preset, seed=0)
+    path = checkpoint_path(args.model, args.preset)
     model, tokenizer = load(path)
     print(f"model {path}; load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     runs: dict[int, list[dict]] = {sessions: [] for sessions in args.sessions}

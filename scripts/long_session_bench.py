@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import batch_bench  # noqa: E402  (its prompts, audio and tick)
+import batch_bench  # noqa: E402  (its checkpoint, prompts, audio and tick)
 
 
 def _engines(model, tokenizer, counts: list[int], frames: int) -> list[dict]:
@@ -68,15 +68,7 @@ def main(argv=None) -> int:
     from mlx_voicechat_plugin.accel.cpu import attention
     from mlx_voicechat_plugin.loading import load
 
-    if args.model:
-        path = Path(args.model)
-    else:
-        from mlx_voicechat_plugin.demo import build_checkpoint
-
-        cache = Path(os.environ.get("MLX_VOICECHAT_CACHE", Path.home() / ".cache" / "mlx-voicechat-plugin"))
-        path = cache / f"bench-batch-{args.preset}"
-        if not (path / "config.json").exists():
-            build_checkpoint(path, args.preset, seed=0)
+    path = batch_bench.checkpoint_path(args.model, args.preset)
     model, tokenizer = load(path)
     engines = _engines(model, tokenizer, args.sessions, at[-1] + args.rounds)
     thresholds = attention.MIN_ATTENTION_SPLIT_WORK, attention.MIN_SESSIONS_SPLIT_WORK
@@ -87,6 +79,7 @@ def main(argv=None) -> int:
             for entry in engines:
                 _tick(entry, frame)
             frame += 1
+        start = frame  # past ``target`` when the previous length's rounds went beyond it
         ticks = {(entry["sessions"], arm): [] for entry in engines for arm in ("on", "off")}
         load_before = os.getloadavg()[0]
         try:
@@ -99,7 +92,7 @@ def main(argv=None) -> int:
                 frame += 1
         finally:
             attention.MIN_ATTENTION_SPLIT_WORK, attention.MIN_SESSIONS_SPLIT_WORK = thresholds
-        row = {"history_frames": target, "audio_s": round(target * 0.08, 1)}
+        row = {"history_frames": start, "audio_s": round(start * 0.08, 1)}
         for entry in engines:
             on = statistics.median(ticks[(entry["sessions"], "on")])
             off = statistics.median(ticks[(entry["sessions"], "off")])
