@@ -7,8 +7,9 @@ A streamed frame's language-model and EAR-TTS attention read KV caches one posit
 every frame (7,500 positions after the 600 s limit), so a session's frame grows with its
 length; on the CPU, long keys are attended on both cores, and a batched tick's sessions
 share them (``mlx_voicechat_plugin.accel.cpu.attention``: ``MIN_ATTENTION_SPLIT_WORK``,
-``MIN_SESSIONS_SPLIT_WORK``; both set out of reach in the "off" arm). This opens one batched engine per session
-count (``--sessions``; prompts and seeds as ``scripts/batch_bench.py``), feeds every session
+``MIN_SESSIONS_SPLIT_WORK``; both set out of reach in the "off" arm). This opens one
+batched engine per session count (``--sessions``; prompts and seeds as
+``scripts/batch_bench.py``), feeds every session
 the bundled question (looped) one frame per tick, and at each history length of ``--at``
 (frames, i.e. ``frames * 80 ms`` into the session) runs ``--rounds`` more rounds, the
 two-core attention on in even rounds and off in odd ones (the engines' order reversed
@@ -63,15 +64,19 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     at = sorted(args.at)
-    if args.rounds < 2 or min(args.sessions) < 1 or at[0] < 1 or (at[-1] + args.rounds) * 0.08 > 600:
+    frames = 0  # frames fed in all: each length's rounds start at it or where the last ended
+    for target in at:
+        frames = max(frames, target) + args.rounds
+    if args.rounds < 2 or min(args.sessions) < 1 or at[0] < 1 or frames * 0.08 > 600:
         parser.error("need --rounds >= 2, session counts >= 1 and history lengths >= 1 whose audio fits 600 s")
     from mlx_voicechat_plugin.accel.cpu import attention
     from mlx_voicechat_plugin.loading import load
 
     path = batch_bench.checkpoint_path(args.model, args.preset)
     model, tokenizer = load(path)
-    engines = _engines(model, tokenizer, args.sessions, at[-1] + args.rounds)
+    engines = _engines(model, tokenizer, args.sessions, frames)
     thresholds = attention.MIN_ATTENTION_SPLIT_WORK, attention.MIN_SESSIONS_SPLIT_WORK
+    out_of_reach = (1 << 62, 1 << 62)
     print(f"model {path}; load average {os.getloadavg()[0]:.2f}", flush=True)
     rows, frame, started = [], 0, time.perf_counter()
     for target in at:
@@ -85,7 +90,6 @@ def main(argv=None) -> int:
         try:
             for index in range(args.rounds):
                 arm = "on" if index % 2 == 0 else "off"
-                out_of_reach = (1 << 62, 1 << 62)
                 attention.MIN_ATTENTION_SPLIT_WORK, attention.MIN_SESSIONS_SPLIT_WORK = thresholds if arm == "on" else out_of_reach
                 for entry in engines if index % 4 < 2 else engines[::-1]:
                     ticks[(entry["sessions"], arm)].append(_tick(entry, frame))

@@ -178,7 +178,7 @@ def test_lanes_leave_products_whole_and_restore_splitting():
 
 def test_the_switch_names_the_stages(monkeypatch):
     monkeypatch.delenv(lanes.LANES_ENV, raising=False)
-    assert lanes.lane_stages() == lanes.LANE_STAGES == {"codec"}
+    assert lanes.lane_stages() == lanes.LANE_STAGES == {"codec", "attention"}
     monkeypatch.setenv(lanes.LANES_ENV, " Speech,codec ")
     assert lanes.lane_stages() == {"speech", "codec"}
     monkeypatch.setenv(lanes.LANES_ENV, "off")
@@ -186,6 +186,34 @@ def test_the_switch_names_the_stages(monkeypatch):
     monkeypatch.setenv(lanes.LANES_ENV, "codec,vocoder")
     with pytest.raises(ValueError, match="unknown stage.*vocoder"):
         lanes.lane_stages()
+
+
+@pytest.mark.parametrize("setting", [None, "codec,attention", "codec", "0"])
+def test_the_switch_decides_whether_attention_calls_share_the_lanes(models, speech_16k, monkeypatch, setting):
+    """The batched steps hand their per-session attention calls to the policy's
+    ``attend_each`` only while ``attention`` is among the lane stages (the default)."""
+    from mlx_voicechat_plugin.runtime.batch import BatchedEngine
+    from mlx_voicechat_plugin.runtime.streaming import StreamingOptions
+
+    if setting is None:
+        monkeypatch.delenv(lanes.LANES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(lanes.LANES_ENV, setting)
+    ours, tokenizer = models("tiny")[:2]
+    handed = []
+    original = type(ours.execution).attend_each
+    monkeypatch.setattr(
+        type(ours.execution), "attend_each",
+        lambda self, calls, works: handed.append(len(calls)) or original(self, calls, works),
+    )
+    engine = BatchedEngine(ours, tokenizer)
+    ids = [engine.open(StreamingOptions(seed=index)) for index in range(2)]
+    for frame in range(2):  # the first frame's steps open the sessions' speech prompt
+        for session_id in ids:
+            engine.push_audio(session_id, speech_16k[1280 * frame : 1280 * (frame + 1)])
+        engine.tick()
+    wanted = setting in (None, "codec,attention")
+    assert (len(handed) > 0 and set(handed) == {2}) if wanted else handed == []
 
 
 def test_default_execution_has_one_lane():

@@ -38,7 +38,10 @@ def test_rows_per_history_length_with_both_arms(bench, tiny, tmp_path, monkeypat
     assert (attention.MIN_ATTENTION_SPLIT_WORK, attention.MIN_SESSIONS_SPLIT_WORK) == thresholds
 
 
-def test_lengths_past_the_session_limit_are_refused(bench, capsys):
+@pytest.mark.parametrize("at", [["7450"], ["7300", "7310"]])
+def test_lengths_past_the_session_limit_are_refused(bench, capsys, at):
+    """The last length plus its rounds, or rounds running past the next length, beyond
+    600 s of audio."""
     with pytest.raises(SystemExit) as stopped:
-        bench.main(["--at", "7450", "--rounds", "100"])
+        bench.main(["--at", *at, "--rounds", "110"])
     assert stopped.value.code == 2 and "600 s" in capsys.readouterr().err

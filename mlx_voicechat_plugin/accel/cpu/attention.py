@@ -41,8 +41,9 @@ from .parallel import split_stream
 #: so the split starts at twice that, about 2,000 keys (160 s into a session).
 MIN_ATTENTION_SPLIT_WORK = 1 << 21
 #: Smallest total of a batched step's per-session attention calls (multiply-adds) shared
-#: between the two cores, whole calls on each (:func:`session_lanes`).
-MIN_SESSIONS_SPLIT_WORK = 1 << 20
+#: between the two cores, whole calls on each (:func:`session_lanes`): four guided pairs at
+#: about 1,000 keys each (80 s into their sessions).
+MIN_SESSIONS_SPLIT_WORK = 4_000_000
 
 #: KV caches whose keys and values are plain arrays (no quantized state to read).
 _PLAIN_CACHES = (KVCache, RotatingKVCache)
@@ -149,9 +150,11 @@ def session_lanes(works: list[int]) -> list[int] | None:
     or more, their multiply-adds together reach :data:`MIN_SESSIONS_SPLIT_WORK`, the split
     is on (:func:`.parallel.split_stream`) and no call has more than half of them (one long
     session among short ones: its own halves balance the cores better). Six layers of four
-    guided pairs (four heads of 64): 3.1 against 4.1 ms on one stream at 300 keys each
-    (1.2 million multiply-adds a layer), 6.8 against 10.5 ms at 1,000; two pairs at 150
-    keys each (0.6 million) took longer shared (1.6 against 1.1 ms), hence the minimum.
+    guided pairs (four heads of 64) alone: 3.1 against 4.1 ms on one stream at 300 keys
+    each, 6.8 against 10.5 ms at 1,000. In a tick through the server the short case did
+    not pay (three medium callers in their first minute, one run each: p50 99 against 87
+    ms), so the minimum is where whole ticks measured faster (``docs/performance.md``,
+    long keys on both cores).
 
     Args:
         works: per call its multiply-adds.

@@ -15,9 +15,10 @@ or with ``MLX_VOICECHAT_BATCH_LANES=0``, a stage runs as one group as before.
 :func:`~..streaming.step.step_frames` can run the encoder layers
 (:func:`.encoder_rows.encode_frames`), EAR-TTS with its noise
 (:func:`.speech_sampling.draw_noise_rows`, :func:`.speech.speech_step`) and the codec
-(:func:`.codec.codec_decode`) in lanes; by default only the codec does
-(:data:`LANE_STAGES`). The language model's step (large products, already split) runs
-whole.
+(:func:`.codec.codec_decode`) in lanes, and the language model's and EAR-TTS's
+per-session attention calls (``attention``); by default the codec and the attention do
+(:data:`LANE_STAGES`). The language model's other work (large products, already split)
+runs whole.
 """
 
 from __future__ import annotations
@@ -36,13 +37,17 @@ from ...execution import execution_of
 LANES_ENV = "MLX_VOICECHAT_BATCH_LANES"
 #: Fewest rows (sessions) of a stage that run in two lanes.
 MIN_LANE_ROWS = 2
-#: The stages of the streaming step that can run in lanes (names passed to :func:`in_lanes`).
-STAGES = frozenset({"encoder", "speech", "codec"})
-#: The stages run in lanes by default. Only the codec: its rows are mostly activations
-#: (1,764 samples each), so two lanes cost about the CPU time of one; EAR-TTS's and the
-#: encoder's products are few rows against large weights, which each lane reads again
-#: (measured: about +25% CPU time per 4-session tick with them, docs/performance.md).
-LANE_STAGES = frozenset({"codec"})
+#: The stages of the streaming step that can run in lanes (names passed to :func:`in_lanes`,
+#: and ``attention``: the language model's and EAR-TTS's per-session attention calls,
+#: shared between lanes by the policy's
+#: :meth:`~mlx_voicechat_plugin.execution.Execution.attend_each`, :func:`in_lanes_wanted`).
+STAGES = frozenset({"encoder", "speech", "codec", "attention"})
+#: The stages run in lanes by default: the codec, whose rows are mostly activations (1,764
+#: samples each), so two lanes cost about the CPU time of one, and the attention calls,
+#: each of which reads only its own session's keys. EAR-TTS's and the encoder's products
+#: are few rows against large weights, which each lane reads again (measured: about +25%
+#: CPU time per 4-session tick with them, docs/performance.md).
+LANE_STAGES = frozenset({"codec", "attention"})
 
 
 def lane_stages() -> frozenset:
@@ -82,6 +87,12 @@ def _running_stages() -> frozenset:
 
 _log = logging.getLogger(__name__)
 _warned: set[str] = set()
+
+
+def in_lanes_wanted(stage: str) -> bool:
+    """Whether ``MLX_VOICECHAT_BATCH_LANES`` lets ``stage`` run in lanes now (the policy
+    still decides whether two lanes apply)."""
+    return stage in _running_stages()
 
 
 def plan(model, rows: int, stage: str | None = None) -> list[tuple[range, object]]:
