@@ -34,6 +34,15 @@ import mlx.core as mx
 from mlx_vlm.models.base import scaled_dot_product_attention
 
 
+def attention_work(queries: mx.array, keys: mx.array) -> int:
+    """Multiply-adds of one attention call's two products (``q @ k^T`` and the weights
+    ``@ v``): ``2 x B x n_heads x L x T x head_dim`` for ``(B, n_heads, L, head_dim)``
+    queries over ``(..., T, head_dim)`` keys. The size a policy splits or shares calls by
+    (:meth:`Execution.attend_each`'s ``works``)."""
+    batch, heads, length, depth = queries.shape
+    return 2 * batch * heads * length * keys.shape[-2] * depth
+
+
 class Execution:
     """The device-neutral policy: both contexts are no-ops."""
 
@@ -74,8 +83,8 @@ class Execution:
         Args:
             calls: zero-argument callables, each one session's attention (independent of
                 the others); each returns an ``mx.array``.
-            works: per call its multiply-adds (``2 x query rows x T x head_dim``), which a
-                policy may use to share the calls between streams.
+            works: per call its multiply-adds (:func:`attention_work`), which a policy may
+                use to share the calls between streams.
 
         Default: each call in order on the caller's stream.
         """

@@ -38,6 +38,15 @@ def products(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def streams(monkeypatch):
+    """The CPU stream each one-stream attention call (``_attention_whole``) is built on."""
+    seen = []
+    original = exact._attention_whole
+    monkeypatch.setattr(exact, "_attention_whole", lambda *a: seen.append(str(mx.default_stream(mx.cpu))) or original(*a))
+    return seen
+
+
 def _random(rng, shape, dtype, scale=1.0):
     return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
 
@@ -104,7 +113,7 @@ def test_attention_leaves_to_upstream_what_it_does_not_cover(products, monkeypat
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("batch,heads,kv_heads,length", [(2, 4, 4, 1), (3, 8, 4, 1), (1, 8, 4, 1), (1, 4, 4, 6), (1, 6, 3, 2)])
-def test_two_core_attention_is_bit_identical_to_one_call(products, monkeypatch, dtype, batch, heads, kv_heads, length):
+def test_two_core_attention_is_bit_identical_to_one_call(products, streams, dtype, batch, heads, kv_heads, length):
     """Long keys split the batch rows (or, for one row, the key heads, odd counts too)
     between the two CPU streams: every output bit equals the unsplit call and MLX's, for
     every mask form; the second half really runs on the second stream."""
@@ -119,20 +128,14 @@ def test_two_core_attention_is_bit_identical_to_one_call(products, monkeypatch, 
     per_row = _random(rng, (batch, 1, length, keys_length), dtype)
     halves = exact._halves(q, k, v)
     assert halves is not None and halves[0] == (0 if batch >= 2 else 1)
-    streams = []
-    original = exact._attention_whole
-    monkeypatch.setattr(
-        exact, "_attention_whole",
-        lambda *a: streams.append(str(mx.default_stream(mx.cpu))) or original(*a),
-    )
     for mask in (None, window, additive, additive[None, None], per_head, per_row):
         products.clear()
         streams.clear()
         want = scaled_dot_product_attention(q, k, v, None, scale=0.125, mask=mask)
         got = exact.exact_attention(q, k, v, None, scale=0.125, mask=mask)
-        whole = original(q, k, v, 0.125, mask)
+        assert len(products) == 4 and len(streams) == 2 and streams[0] != streams[1]
+        whole = exact._attention_whole(q, k, v, 0.125, mask)
         assert _same(got, want) and _same(got, whole), None if mask is None else mask.shape
-        assert len(products) == 6 and len(streams) == 2 and streams[0] != streams[1]
 
 
 def test_attention_splits_only_long_keys_on_the_cpu_with_two_cores(monkeypatch):
@@ -253,7 +256,7 @@ def test_session_lanes_balance_whole_calls_or_leave_them_in_order(monkeypatch):
 
 
 @pytest.mark.parametrize("lengths", [[3000, 2500, 100, 4000], [300, 300], [6000, 50, 40], [20, 30, 25]])
-def test_cpu_policy_attends_sessions_on_both_streams_with_the_same_bits(monkeypatch, lengths):
+def test_cpu_policy_attends_sessions_on_both_streams_with_the_same_bits(streams, lengths):
     """A batched step's per-session calls through the CPU policy (lanes, halves or in
     order, as :func:`session_lanes` and the call sizes decide): every row bit-identical to
     the session's own upstream call."""
@@ -261,11 +264,6 @@ def test_cpu_policy_attends_sessions_on_both_streams_with_the_same_bits(monkeypa
 
     rng = np.random.default_rng(sum(lengths))
     policy = CpuExecution()
-    streams = []
-    original = exact._attention_whole
-    monkeypatch.setattr(
-        exact, "_attention_whole", lambda *a: streams.append(str(mx.default_stream(mx.cpu))) or original(*a)
-    )
     queries = _random(rng, (2 * len(lengths), 4, 1, 64), mx.float32, 2.0)
     fetched, caches, solo = [], [], []
     for index, length in enumerate(lengths):

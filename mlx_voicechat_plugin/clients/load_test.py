@@ -334,7 +334,6 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
     for task in unfinished:  # past --timeout: what they measured so far is reported
         task.cancel()
     await asyncio.gather(*unfinished, return_exceptions=True)
-    errors = []
     if unfinished:
         try:  # the server's figures, if it answers at once
             after = scrape(url, 2.0)
@@ -342,13 +341,17 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
             after = before
     else:
         after = scrape(url, min(10.0, left()))
+    solo_errors = []
     for result, alone in zip(results, solo):
         if alone.error is not None or not alone.admitted:  # the server was not free for it
-            errors.append(f"caller #{result.index}: its solo run failed ({alone.error or 'no session'}), nothing to compare")
+            solo_errors.append(
+                f"caller #{result.index}: its solo run failed ({alone.error or 'no session'}), nothing to compare"
+            )
             continue
         if not result.admitted:  # turned away: no answer to compare
             continue
         result.equal_to_solo = result.error is None and bool(result.answer) and result.answer == alone.answer
+    errors = list(solo_errors)
     for result, task in zip(results, tasks):
         if task in unfinished:
             result.error = result.error or "unfinished at --timeout"
@@ -376,7 +379,8 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
         "compared": bool(compared) if solo else None,  # False: solo runs made, no answer compared
         "admitted": sum(1 for result in results if result.admitted),
         "refused": sum(1 for result in results if result.refused),
-        "errors": errors,
+        "errors": errors,  # the solo runs' first, then the callers'
+        "solo_errors": solo_errors,
         "timed_out": bool(unfinished),
     }
 
@@ -404,9 +408,8 @@ def _print(report: dict) -> None:
     print(f"server lag: {report['server_lag']}")
     print(f"ticks {report['ticks']}, frames per tick {report['frames_per_tick']}, "
           f"tick real-time factor {report['tick_realtime_factor']}")
-    for error in report["errors"]:
-        if "solo run" in error:
-            print(f"error: {error}")
+    for error in report["solo_errors"]:  # the callers' own are on their rows above
+        print(f"error: {error}")
     if report["timed_out"]:
         print("error: the run reached --timeout; the unfinished callers were stopped and the figures are partial")
     if report["all_equal_to_solo"] is not None:

@@ -32,6 +32,7 @@ from mlx_vlm.models.cache import KVCache, RotatingKVCache
 from mlx_vlm.models.gemma3.language import Attention as Gemma3Attention
 from mlx_vlm.models.nemotron_h.language import NemotronHAttention
 
+from ...execution import attention_work
 from . import native
 from .parallel import split_stream
 
@@ -128,14 +129,16 @@ def _halves(q: mx.array, k: mx.array, v: mx.array):
     splitting does not pay (fewer multiply-adds than :data:`MIN_ATTENTION_SPLIT_WORK`), is
     off (:func:`.parallel.split_stream`: another device, one core, ``MLX_VOICECHAT_CPU_SPLIT=0``,
     already inside a split) or there is nothing to split."""
-    batch, heads, length, depth = q.shape
-    if batch >= 2 and k.shape[0] == v.shape[0] == batch:
+    batch = q.shape[0]
+    if not k.shape[0] == v.shape[0] == batch:
+        return None
+    if batch >= 2:
         axis, parts = 0, batch
-    elif k.shape[1] >= 2 and k.shape[0] == v.shape[0] == batch:
+    elif k.shape[1] >= 2:
         axis, parts = 1, k.shape[1]
     else:
         return None
-    work = 2 * batch * heads * length * k.shape[2] * depth
+    work = attention_work(q, k)
     other = split_stream(work) if work >= MIN_ATTENTION_SPLIT_WORK else None
     return None if other is None else (axis, parts // 2, other)
 

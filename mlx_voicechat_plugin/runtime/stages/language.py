@@ -23,7 +23,6 @@ from mlx_vlm.models.base import create_attention_mask, create_ssm_mask
 from mlx_vlm.models.cache import ArraysCache
 
 from ...execution import execution_of
-from .lanes import in_lanes_wanted
 from .rows import attend_sessions
 
 
@@ -120,7 +119,7 @@ def _attention(attention, x: mx.array, entries: list, execution) -> mx.array:
     output = attend_sessions(
         queries, fetched, entries, attention.scale,
         per_session=execution.attention_per_session(), attention=execution.attention,
-        each=execution.attend_each if in_lanes_wanted("attention") else None,
+        each=execution.attend_each,
     )
     return attention.o_proj(output.transpose(0, 2, 1, 3).reshape(sessions, 1, -1))
 

@@ -15,6 +15,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm.models.base import scaled_dot_product_attention
 
+from ...execution import attention_work
+from .lanes import in_lanes_wanted
+
 
 def split_rows(array: mx.array, sizes: list[int]) -> list[mx.array]:
     """Split ``array`` along axis 0 into consecutive pieces of ``sizes`` rows."""
@@ -97,7 +100,9 @@ def attend_sessions(
             arguments (the model's policy's :meth:`~mlx_voicechat_plugin.execution.Execution.attention`).
         each: how the per-session calls are built, ``each(calls, works) -> outputs`` (the
             policy's :meth:`~mlx_voicechat_plugin.execution.Execution.attend_each`, which
-            may put them on several streams); None: in order on the caller's stream.
+            may put them on several streams), used while ``MLX_VOICECHAT_BATCH_LANES``
+            holds the ``attention`` stage (:func:`.lanes.in_lanes_wanted`); None, or that
+            stage left out: in order on the caller's stream.
 
     Returns:
         ``(B * rows, heads, 1, head_dim)``, each row bit-identical to its session's solo
@@ -106,14 +111,13 @@ def attend_sessions(
     if not per_session:
         keys, values, mask = padded_keys(fetched, rows=rows)
         return attention(q, keys, values, caches[0], scale=scale, mask=mask)
+    queries = [q[rows * i : rows * (i + 1)] for i in range(len(fetched))]
     calls = [
-        functools.partial(attention, q[rows * i : rows * (i + 1)], keys, values, cache, scale=scale, mask=None)
-        for i, ((keys, values), cache) in enumerate(zip(fetched, caches))
+        functools.partial(attention, own, keys, values, cache, scale=scale, mask=None)
+        for own, (keys, values), cache in zip(queries, fetched, caches)
     ]
-    if each is None:
+    if each is None or not in_lanes_wanted("attention"):
         outputs = [call() for call in calls]
     else:
-        heads, length, depth = q.shape[1:]
-        works = [2 * rows * heads * length * keys.shape[-2] * depth for keys, _ in fetched]
-        outputs = each(calls, works)
+        outputs = each(calls, [attention_work(own, keys) for own, (keys, _) in zip(queries, fetched)])
     return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)

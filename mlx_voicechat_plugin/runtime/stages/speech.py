@@ -25,7 +25,6 @@ from mlx_vlm.models.gemma3.language import clip_residual
 
 from ...execution import DEFAULT, Execution, execution_of
 from ..timeline import tts_prompt
-from .lanes import in_lanes_wanted
 from .language import cache_arrays
 from .rows import attend_sessions, join_guided
 from .speech_sampling import guided_codes
@@ -124,7 +123,7 @@ def _attention(layer, x, caches: list, layer_index: int, window: int, pattern: i
     output = attend_sessions(
         q, fetched, [session_caches[layer_index] for session_caches in caches], attention.scale,
         per_session=execution.attention_per_session(), rows=2, attention=execution.attention,
-        each=execution.attend_each if in_lanes_wanted("attention") else None,
+        each=execution.attend_each,
     )
     output = output.transpose(0, 2, 1, 3).reshape(2 * sessions, 1, -1)
     back = mx.array([2 * index + half for half in range(2) for index in range(sessions)])
