@@ -48,13 +48,17 @@ FRAME = 1280
 PROMPTS = ["Be concise and answer in one sentence.", "You are a helpful assistant.", "Hi.", None]
 
 
-def _options(index: int):
+def session_options(index: int):
+    """Session ``index``'s options: one of :data:`PROMPTS` in turn (so the sessions' KV
+    caches differ in length) and seed ``index``."""
     from mlx_voicechat_plugin.runtime.streaming import StreamingOptions
 
     return StreamingOptions(system_prompt=PROMPTS[index % len(PROMPTS)], seed=index)
 
 
-def _audio(frames: int, shift: int) -> np.ndarray:
+def looped_speech(frames: int, shift: int) -> np.ndarray:
+    """``frames`` frames (``FRAME`` samples each, 16 kHz float32) of the bundled question,
+    looped, starting ``shift`` frames in (so sessions do not speak in step)."""
     from mlx_voicechat_plugin.runtime.audio_io import read_audio
 
     speech = read_audio(Path(__file__).resolve().parents[1] / "tests" / "data" / "question.wav", 16_000)
@@ -69,7 +73,7 @@ def _rows(events):
     ]
 
 
-def _tick(engine, ids, audio, events, frame: int) -> tuple[float, float]:
+def timed_tick(engine, ids, audio, events, frame: int) -> tuple[float, float]:
     """Push each session's frame ``frame`` of ``audio``, tick ``engine`` once and append each
     session's events to ``events``; returns the tick's (wall, CPU) seconds."""
     for session_id, samples in zip(ids, audio):
@@ -89,7 +93,7 @@ def _counted_tick(engine, ids, audio, events, frame: int):
     from mlx_voicechat_plugin.bench.graph import GraphCounter
 
     with GraphCounter() as counter:
-        _tick(engine, ids, audio, events, frame)
+        timed_tick(engine, ids, audio, events, frame)
         return counter.frame()
 
 
@@ -118,13 +122,13 @@ def run(model, tokenizer, sessions: int, frames: int, warmup: int):
     mx.clear_cache()
     base = mx.get_active_memory()
     # prompts prefilled at open: every timed tick is a frame tick
-    ids = [engine.open(_options(index), incremental_prefill=False) for index in range(sessions)]
-    audio = [_audio(frames + 1, index) for index in range(sessions)]
+    ids = [engine.open(session_options(index), incremental_prefill=False) for index in range(sessions)]
+    audio = [looped_speech(frames + 1, index) for index in range(sessions)]
     events = {session_id: [] for session_id in ids}
     times = []
     memory_after_warmup = None
     for frame in range(frames):
-        times.append(_tick(engine, ids, audio, events, frame))
+        times.append(timed_tick(engine, ids, audio, events, frame))
         if frame == warmup - 1:
             memory_after_warmup = mx.get_active_memory()
     counted = _counted_tick(engine, ids, audio, events, frames)  # one more tick, counted
@@ -151,10 +155,10 @@ def interleaved(model, tokenizer, counts: list[int], frames: int, warmup: int):
     # one session first, discarded: one-time allocations (derived weights, memos) are not
     # charged to the first count's engine
     primer = BatchedEngine(model, tokenizer)
-    primer_ids = [primer.open(_options(0), incremental_prefill=False)]
-    primer_audio = [_audio(warmup + 1, 0)]
+    primer_ids = [primer.open(session_options(0), incremental_prefill=False)]
+    primer_audio = [looped_speech(warmup + 1, 0)]
     for frame in range(warmup):
-        _tick(primer, primer_ids, primer_audio, {primer_ids[0]: []}, frame)
+        timed_tick(primer, primer_ids, primer_audio, {primer_ids[0]: []}, frame)
     primer.close(primer_ids[0])
     engines = []
     for sessions in counts:
@@ -162,16 +166,16 @@ def interleaved(model, tokenizer, counts: list[int], frames: int, warmup: int):
         mx.clear_cache()
         base = mx.get_active_memory()
         engine = BatchedEngine(model, tokenizer)
-        ids = [engine.open(_options(index), incremental_prefill=False) for index in range(sessions)]
-        audio = [_audio(frames + 1, index) for index in range(sessions)]
+        ids = [engine.open(session_options(index), incremental_prefill=False) for index in range(sessions)]
+        audio = [looped_speech(frames + 1, index) for index in range(sessions)]
         events = {session_id: [] for session_id in ids}
         for frame in range(warmup):
-            _tick(engine, ids, audio, events, frame)
+            timed_tick(engine, ids, audio, events, frame)
         engines.append({"sessions": sessions, "engine": engine, "ids": ids, "audio": audio, "events": events,
                         "memory": mx.get_active_memory() - base, "times": []})
     for frame in range(warmup, frames):
         for entry in engines if frame % 2 == 0 else engines[::-1]:
-            entry["times"].append(_tick(entry["engine"], entry["ids"], entry["audio"], entry["events"], frame))
+            entry["times"].append(timed_tick(entry["engine"], entry["ids"], entry["audio"], entry["events"], frame))
     solo = next((entry for entry in engines if entry["sessions"] == 1), None)
     rows = []
     for entry in engines:
@@ -198,7 +202,7 @@ def state_bytes(session) -> int:
 
 
 def solo_events(model, tokenizer, index: int, samples: np.ndarray):
-    session = model.create_streaming_session(_options(index), processor=tokenizer)
+    session = model.create_streaming_session(session_options(index), processor=tokenizer)
     events = []
     for start in range(0, len(samples), FRAME):
         events += session.push_audio(samples[start : start + FRAME])

@@ -40,16 +40,16 @@ def _engines(model, tokenizer, counts: list[int], frames: int) -> list[dict]:
     engines = []
     for sessions in counts:
         engine = BatchedEngine(model, tokenizer)
-        ids = [engine.open(batch_bench._options(index), incremental_prefill=False) for index in range(sessions)]
-        audio = [batch_bench._audio(frames + 1, index) for index in range(sessions)]
+        ids = [engine.open(batch_bench.session_options(index), incremental_prefill=False) for index in range(sessions)]
+        audio = [batch_bench.looped_speech(frames + 1, index) for index in range(sessions)]
         engines.append({"sessions": sessions, "engine": engine, "ids": ids, "audio": audio})
     return engines
 
 
-def _tick(entry: dict, frame: int) -> float:
+def tick(entry: dict, frame: int) -> float:
     """One tick of ``entry``'s engine at ``frame``; its wall milliseconds (events dropped)."""
     events = {session_id: [] for session_id in entry["ids"]}
-    wall, _ = batch_bench._tick(entry["engine"], entry["ids"], entry["audio"], events, frame)
+    wall, _ = batch_bench.timed_tick(entry["engine"], entry["ids"], entry["audio"], events, frame)
     return 1000 * wall
 
 
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     for target in at:
         while frame < target:
             for entry in engines:
-                _tick(entry, frame)
+                tick(entry, frame)
             frame += 1
         start = frame  # past ``target`` when the previous length's rounds went beyond it
         ticks = {(entry["sessions"], arm): [] for entry in engines for arm in ("on", "off")}
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                 arm = "on" if index % 2 == 0 else "off"
                 attention.MIN_ATTENTION_SPLIT_WORK, attention.MIN_SESSIONS_SPLIT_WORK = thresholds if arm == "on" else out_of_reach
                 for entry in engines if index % 4 < 2 else engines[::-1]:
-                    ticks[(entry["sessions"], arm)].append(_tick(entry, frame))
+                    ticks[(entry["sessions"], arm)].append(tick(entry, frame))
                 frame += 1
         finally:
             attention.MIN_ATTENTION_SPLIT_WORK, attention.MIN_SESSIONS_SPLIT_WORK = thresholds

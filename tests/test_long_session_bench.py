@@ -17,9 +17,9 @@ def bench(script):
 
 def test_rows_per_history_length_with_both_arms(bench, tiny, tmp_path, monkeypatch):
     seen = []
-    tick = bench._tick
+    tick = bench.tick
     monkeypatch.setattr(
-        bench, "_tick",
+        bench, "tick",
         lambda entry, frame: seen.append((entry["sessions"], frame, attention.MIN_SESSIONS_SPLIT_WORK)) or tick(entry, frame),
     )
     out = tmp_path / "long.json"
