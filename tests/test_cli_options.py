@@ -145,6 +145,62 @@ def test_mlx_vlm_entry_points_refuse_unknown_options(tiny, module):
     assert "serving" not in completed.stderr
 
 
+def test_server_only_options_are_ours_alone():
+    """Each option that routes ``python -m mlx_vlm.server`` to our server when ``--model``
+    does not resolve is one our parser takes and mlx-vlm's does not (its parser read past
+    the shim's hook): routing never takes a command mlx-vlm could run."""
+    from mlx_voicechat_plugin.registration.command_hooks import SERVER_ONLY_OPTIONS
+    from mlx_voicechat_plugin.server.cli import build_parser
+
+    module = importlib.import_module("mlx_vlm.server.cli")
+    upstream = _upstream_options(getattr(module.main, "__wrapped__", module.main))
+    ours = set(build_parser("serve")._option_string_actions)
+    assert "--port" in upstream and "--max-sessions" in ours
+    for option in SERVER_ONLY_OPTIONS:
+        assert option in ours and option not in upstream, option
+
+
+def _run_server_hook(monkeypatch, argv: list[str]) -> tuple[object, str]:
+    from mlx_voicechat_plugin.registration.shim import install
+
+    install(force=True)
+    module = importlib.import_module("mlx_vlm.server.cli")
+    monkeypatch.setattr(sys, "argv", ["mlx_vlm.server", *argv])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with pytest.raises(SystemExit) as caught:
+            module.main()
+    return caught.value.code, err.getvalue()
+
+
+@pytest.mark.parametrize("checkpoint", ["missing", "empty", "corrupt"])
+def test_mlx_vlm_server_with_our_options_and_an_unresolved_model_gets_our_error(checkpoint, monkeypatch, tmp_path):
+    """``python -m mlx_vlm.server --model <mistyped, empty or corrupt> --max-sessions 4``:
+    our one-line checkpoint error and exit 2, not mlx-vlm's usage text or its start-up
+    traceback; nothing listens."""
+    model = tmp_path / "ckpt"
+    if checkpoint != "missing":
+        model.mkdir()
+    if checkpoint == "corrupt":
+        (model / "config.json").write_text("{not json")
+    code, err = _run_server_hook(monkeypatch, ["--model", str(model), "--max-sessions", "4", "--port", "8931"])
+    lines = err.strip().splitlines()
+    assert code == EXIT_USAGE, err
+    assert len(lines) == 1 and lines[0].startswith(f"error: {model}"), err
+    assert "Traceback" not in err and "unrecognized arguments" not in err
+
+
+def test_mlx_vlm_server_with_our_options_and_another_model_family_stays_with_mlx_vlm(monkeypatch, tmp_path):
+    """A checkpoint of another family goes to mlx-vlm's own server even with our options
+    (its parser refuses them): our server would describe it as a speech model."""
+    other = tmp_path / "qwen"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "qwen2_vl"}')
+    code, err = _run_server_hook(monkeypatch, ["--model", str(other), "--max-sessions", "4"])
+    assert code == 2
+    assert "unrecognized arguments: --max-sessions 4" in err and f"error: {other}" not in err
+
+
 # --------------------------------------------------------------------------- exit statuses
 
 

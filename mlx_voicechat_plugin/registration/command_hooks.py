@@ -27,14 +27,24 @@ def _cli_target_is_voicechat(argv: list[str]) -> bool:
     return model is not None and is_voicechat_checkpoint(model)
 
 
-def _unresolved_with_our_options(argv: list[str]) -> bool:
-    """``argv`` uses one of :data:`GENERATE_ONLY_OPTIONS` and its ``--model`` names no
-    checkpoint of a known family: none that can be found (locally or in the Hugging Face
-    cache), or one whose ``config.json`` is unreadable or names no ``model_type`` (our CLI
-    says which). A config naming another family goes to mlx-vlm."""
+#: ``server`` options that only this package's server defines (``mlx-voicechat serve``;
+#: mlx-vlm's parser rejects them), routed by the same rule as :data:`GENERATE_ONLY_OPTIONS`:
+#: ``python -m mlx_vlm.server --model <mistyped> --max-sessions 4`` gets our one-line
+#: checkpoint error, not mlx-vlm's usage text.
+SERVER_ONLY_OPTIONS = frozenset({
+    "--max-sessions", "--tick-budget", "--tick-gather", "--max-lag", "--max-connections",
+    "--allowed-hosts", "--allowed-origins", "--header-timeout", "--send-timeout",
+})
+
+
+def _unresolved_with_our_options(argv: list[str], options: frozenset = GENERATE_ONLY_OPTIONS) -> bool:
+    """``argv`` uses one of ``options`` (the command's options only our parser takes) and
+    its ``--model`` names no checkpoint of a known family: none that can be found (locally
+    or in the Hugging Face cache), or one whose ``config.json`` is unreadable or names no
+    ``model_type`` (our CLI says which). A config naming another family goes to mlx-vlm."""
     from ..checkpoint import find_config, model_argument, read_model_type
 
-    if not any(arg.split("=", 1)[0] in GENERATE_ONLY_OPTIONS for arg in argv):
+    if not any(arg.split("=", 1)[0] in options for arg in argv):
         return False
     model = model_argument(argv)
     config = None if model is None else find_config(model)
@@ -74,12 +84,14 @@ def hook_chat(module) -> None:
 
 @once
 def hook_server_cli(module) -> None:
-    """Route ``python -m mlx_vlm.server --model <voicechat>`` to our realtime server."""
+    """Route ``python -m mlx_vlm.server --model <voicechat>`` (or a command using one of
+    :data:`SERVER_ONLY_OPTIONS` whose ``--model`` does not resolve) to our realtime server."""
     original = module.main
 
     @functools.wraps(original)
     def main():
-        if _cli_target_is_voicechat(sys.argv[1:]):
+        argv = sys.argv[1:]
+        if _cli_target_is_voicechat(argv) or _unresolved_with_our_options(argv, SERVER_ONLY_OPTIONS):
             from ..server.cli import main as serve_main
 
             raise SystemExit(serve_main(sys.argv[1:], prog="python -m mlx_vlm.server"))
