@@ -77,6 +77,8 @@ def test_the_timeout_bounds_the_whole_run_and_says_so(silent_listener, capsys):
     elapsed = time.monotonic() - started
     err = capsys.readouterr().err
     assert "did not finish within --timeout 2 s" in err, err
+    # the listener never answers: the first solo run is what timed out, and the line says so
+    assert "0 of 2 solo runs done" in err and "--no-compare" in err, err
     assert elapsed < 6, elapsed
 
 

@@ -299,10 +299,24 @@ def _lag_quantiles(before: dict, after: dict) -> dict:
     return out
 
 
+class SoloRunsTimeout(asyncio.TimeoutError):
+    """``--timeout`` passed during the solo runs, before the paced run measured anything.
+
+    Attributes:
+        done: solo runs finished; ``total``: solo runs wanted (one per caller).
+    """
+
+    def __init__(self, done: int, total: int):
+        super().__init__(f"{done} of {total} solo runs done")
+        self.done, self.total = done, total
+
+
 async def run_load(url: str, callers: int, seconds: float, stagger: float, base: list[np.ndarray], dialect: str,
                    timeout: float, compare: bool = True, retry: float = 0.0, api_key: str | None = None) -> dict:
     """Run the load test (module docstring) within ``timeout`` seconds in all (solo runs and
-    ``/metrics`` scrapes included): past it during the solo runs ``asyncio.TimeoutError``;
+    ``/metrics`` scrapes included): past it during the solo runs :class:`SoloRunsTimeout`
+    (an ``asyncio.TimeoutError``; nothing paced was measured yet), before the paced run
+    ``asyncio.TimeoutError``;
     during the paced run the callers are stopped and the report holds what they measured
     (``timed_out``; each unfinished caller an entry in ``errors``). Returns the report as a
     dict (``admitted``: callers the server took, at the first attempt or a retry;
@@ -321,7 +335,10 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
     solo: list[CallerResult] = []
     if compare and dialect != "openai":
         for i, samples in enumerate(inputs):  # each input alone, unpaced
-            solo.append(await asyncio.wait_for(run_caller(url, i, samples, None, left(), api_key=api_key), left()))
+            try:
+                solo.append(await asyncio.wait_for(run_caller(url, i, samples, None, left(), api_key=api_key), left()))
+            except asyncio.TimeoutError:
+                raise SoloRunsTimeout(len(solo), callers) from None
     before = scrape(url, min(10.0, left()))
     began = time.monotonic() + 0.2
     runner = run_openai_caller if dialect == "openai" else run_caller
@@ -501,6 +518,11 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat loadtest")
     except KeyboardInterrupt:
         print("interrupted; no report", file=sys.stderr)
         return 130
+    except SoloRunsTimeout as error:
+        print(f"error: the load test did not finish within --timeout {args.timeout:g} s: it was still running each "
+              f"caller's input alone before the paced run ({error.done} of {error.total} solo runs done), so nothing "
+              "was measured; raise --timeout or pass --no-compare; no report", file=sys.stderr)
+        return 1
     except asyncio.TimeoutError:
         print(f"error: the load test did not finish within --timeout {args.timeout:g} s; no report", file=sys.stderr)
         return 1
