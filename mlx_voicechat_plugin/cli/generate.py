@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from ..exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STATUS_HELP, EXIT_USAGE
+from ..seed import is_seed
 from . import OFFLINE_COMMAND, chat_refusal  # noqa: F401 - chat_refusal: part of the CLI API
 from .compat import GENERATE_FLAGS, add_mlx_vlm_options, ignored_note
 from .output import droppable, labelled
@@ -111,7 +112,7 @@ def _check_arguments(args) -> list[str]:
             f"--extra-decoding-seconds must be between 0 and {MAX_EXTRA_DECODING_SECONDS:g} "
             f"seconds, got {extra:g}"
         )
-    if not 0 <= args.seed < 2**64:
+    if not is_seed(args.seed):
         raise UsageError("--seed must be an integer in [0, 2**64)")
     limit = args.max_streaming_seconds
     if limit is not None and (not math.isfinite(limit) or limit <= 0):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..seed import is_seed
 from .errors import ConnectionLost, ServerBusy, ServerErrorEvent, UsageError
 
 #: Input rate (Hz) and samples per 80 ms append.
@@ -32,16 +33,13 @@ SUBPROTOCOL = "mlx-voicechat"
 
 
 #: ``session.seed`` is a non-negative integer below this (spec: session.update).
-SEED_LIMIT = 2**64
-
-
 def check_seed(seed: int) -> int:
     """``seed`` if the server accepts it as ``session.seed``.
 
     Raises:
         UsageError: negative, or ``2**64`` or more (the server would refuse the session).
     """
-    if not 0 <= seed < SEED_LIMIT:
+    if not is_seed(seed):
         raise UsageError(f"--seed must be an integer in [0, 2**64), got {seed}")
     return seed
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from urllib.parse import urlsplit, urlunsplit
 
+from ..api_key import header_safe
 from .errors import AuthError, ConnectError, ConnectionLost, OriginRefused, ServerBusy, UsageError
 from .protocol import SUBPROTOCOL, dumps, parse_event
 
@@ -66,7 +67,7 @@ def check_api_key(key: str | None) -> str | None:
     """
     if not key:
         return None
-    if key != key.strip() or not all(" " <= char <= "~" for char in key):
+    if not header_safe(key):
         raise UsageError(
             "the API key (--api-key or MLX_VOICECHAT_API_KEY) holds characters an HTTP header cannot "
             "carry (only printable ASCII, no surrounding spaces); nothing was sent"

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..seed import is_seed
 from .presets import PRESETS, config_for
 
 #: Shard size limit for ``model-0000N-of-0000M.safetensors`` (bytes); small enough that
@@ -67,7 +68,7 @@ def build_checkpoint(
         raise ValueError(f"bits must be 4 or 8 (or omitted for bf16), got {bits!r}")
     if group_size not in (32, 64, 128):
         raise ValueError(f"group_size must be 32, 64 or 128, got {group_size!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+    if not is_seed(seed):
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     if not str(output_dir).strip():
         raise ValueError("the output directory name is empty")

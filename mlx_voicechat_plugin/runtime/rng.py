@@ -11,7 +11,7 @@ other's draws, and seed ``s`` draws exactly what the reference draws after
 
 from __future__ import annotations
 
-MAX_SEED = 2**64 - 1
+from ..seed import is_seed
 
 
 class SessionRNG:
@@ -35,6 +35,6 @@ class SessionRNG:
 
     @key.setter
     def key(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        if not is_seed(value):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {value!r}")
         self._key = value

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+from ..api_key import header_safe
 from ..cli.compat import SERVER_FLAGS, add_mlx_vlm_options, ignored_note
 from ..exit_codes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, SERVE_EXIT_STATUS_HELP
 from .settings import (
@@ -216,11 +217,11 @@ def _api_key_problem(key: str | None, argv: list[str]) -> str | None:
     name = "--api-key" if given else "MLX_VOICECHAT_API_KEY"
     if not key.strip():
         return f"{name} is empty; give a key, or leave it out to accept clients without one"
+    if header_safe(key):
+        return None
     if key != key.strip():
         return f"{name} starts or ends with whitespace, which no client can send in a header; remove it"
-    if not all(" " <= char <= "~" for char in key):
-        return f"{name} holds characters no client can send in a header (only printable ASCII); choose another key"
-    return None
+    return f"{name} holds characters no client can send in a header (only printable ASCII); choose another key"
 
 
 def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:

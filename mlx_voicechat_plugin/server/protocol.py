@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from ..seed import is_seed
+
 INPUT_FORMAT = {"type": "pcm16", "sample_rate": 16000}
 OUTPUT_FORMAT = {"type": "pcm16", "sample_rate": 22050}
 FRAME_SAMPLES = 1280
@@ -116,7 +118,7 @@ def parse_session_update(message: dict, max_session_seconds: float) -> SessionCo
     seed = session.get("seed", 0)
     if seed is None:
         seed = 0
-    if not _is_integer(seed) or seed < 0 or seed >= 2**64:
+    if not is_seed(seed):
         raise fail("session.seed must be a non-negative integer below 2**64")
     # session.model is optional and any value opens the served checkpoint (spec): ignored.
     limit = session.get("max_streaming_seconds")

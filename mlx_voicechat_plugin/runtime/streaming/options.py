@@ -7,6 +7,8 @@ import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 
+from ...seed import is_seed
+
 #: A session lasts at most this much audio (spec "One session at a time": 600 s).
 MAX_STREAMING_SECONDS = 600.0
 
@@ -41,7 +43,7 @@ class StreamingOptions:
         for name in ("use_language_cache", "use_perception_cache", "profile"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+        if not is_seed(self.seed):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         limit = self.max_streaming_seconds
         if limit is not None:
