@@ -315,8 +315,8 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
                    timeout: float, compare: bool = True, retry: float = 0.0, api_key: str | None = None) -> dict:
     """Run the load test (module docstring) within ``timeout`` seconds in all (solo runs and
     ``/metrics`` scrapes included): past it during the solo runs :class:`SoloRunsTimeout`
-    (an ``asyncio.TimeoutError``; nothing paced was measured yet), before the paced run
-    ``asyncio.TimeoutError``;
+    (an ``asyncio.TimeoutError``; nothing paced was measured yet), in the ``/metrics``
+    scrape before the paced run ``asyncio.TimeoutError``;
     during the paced run the callers are stopped and the report holds what they measured
     (``timed_out``; each unfinished caller an entry in ``errors``). Returns the report as a
     dict (``admitted``: callers the server took, at the first attempt or a retry;

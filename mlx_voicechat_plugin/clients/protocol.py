@@ -32,7 +32,6 @@ OUTPUT_FRAME_SAMPLES = 1764
 SUBPROTOCOL = "mlx-voicechat"
 
 
-#: ``session.seed`` is a non-negative integer below this (spec: session.update).
 def check_seed(seed: int) -> int:
     """``seed`` if the server accepts it as ``session.seed``.
 
