@@ -6,7 +6,15 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench wheel-smoke clean
+.PHONY: demo test lint bench wheel-smoke clean help
+
+help:
+	@echo "make demo         set up .venv and answer tests/data/question.wav with the demo checkpoint (answer.wav)"
+	@echo "make test         set up .venv and run the test suite"
+	@echo "make lint         ruff"
+	@echo "make bench        the CPU benchmark against upstream (docs/performance-results.md)"
+	@echo "make wheel-smoke  build the wheel, install it in a fresh venv and run the README's commands"
+	@echo "make clean        remove .venv and the files the commands above write"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

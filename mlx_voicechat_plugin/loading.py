@@ -21,12 +21,17 @@ def resolve_checkpoint(model: str | Path) -> Path:
     config = find_config(model)
     if config is None:
         path = Path(model).expanduser()
-        if path.exists():
+        if path.is_dir():
             raise CheckpointError(f"{model}: no config.json in this directory")
+        if path.exists():
+            raise CheckpointError(
+                f"{model}: not a directory; --model takes the checkpoint directory (the one holding config.json)"
+            )
         raise CheckpointError(
             f"{model}: no such checkpoint directory (and not in the Hugging Face cache; "
             "download it first, e.g. `hf download "
-            "mlx-community/NemotronLabs-VoiceChat-11B-4bit`)"
+            "mlx-community/NemotronLabs-VoiceChat-11B-4bit`; `mlx-voicechat demo build DIR` "
+            "builds the random-weight demo checkpoint)"
         )
     import json
 

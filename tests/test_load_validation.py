@@ -135,6 +135,14 @@ def test_load_rejects_directory_without_config_as_checkpoint_error(tmp_path):
         load(tmp_path)
 
 
+def test_load_rejects_a_file_given_as_the_checkpoint(checkpoint):
+    """``--model CKPT/config.json``: the message says --model takes the directory."""
+    config = checkpoint("tiny") / "config.json"
+    with pytest.raises(CheckpointError, match="not a directory; --model takes the checkpoint directory") as raised:
+        load(config)
+    assert str(config) in str(raised.value)
+
+
 def test_load_prints_nothing_even_after_transformers_was_imported(checkpoint):
     # mlx-audio imports transformers before our loader runs, so TRANSFORMERS_VERBOSITY set
     # later is ignored; the tokenizer load must still not warn about the model type.
