@@ -717,6 +717,22 @@ def test_mlx_vlm_generate_with_our_options_and_an_unreadable_config_gets_our_err
     assert not (tmp_path / "r.wav").exists()
 
 
+def test_a_prompt_with_an_undecodable_byte_is_a_usage_error(tiny, tmp_path):
+    """``-p $'caf\\xff'`` (a byte that is not UTF-8: a lone surrogate in Python's argv): exit
+    2 with one line naming the prompt, before the model loads (it was exit 1 from deep in
+    the prompt's tokenisation)."""
+    from mlx_voicechat_plugin.cli.main import main as cli_main
+
+    output = tmp_path / "r.wav"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = cli_main(["generate", "--model", str(tiny), "--audio", str(SPEECH_WAV), "--output-audio", str(output),
+                         "-p", "caf\udcff"])
+    lines = err.getvalue().strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "the system prompt is not valid UTF-8 text" in lines[0], err.getvalue()
+    assert not output.exists()
+
+
 def test_generate_only_options_are_ours_alone():
     """Each routed option is one our parser takes and mlx-vlm's does not (read from its
     ``--help`` with the shim off): routing never takes a command mlx-vlm could run."""

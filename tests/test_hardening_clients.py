@@ -134,6 +134,8 @@ def test_clients_refuse_bad_urls_seeds_and_keys_before_connecting(tmp_path, caps
         (["ws://127.0.0.1:9/v1/realtime", "--api-key", "sek\nrit"], "printable ASCII"),
         (["ws://127.0.0.1:9/v1/realtime", "--api-key", "ключ"], "printable ASCII"),
         (["ws://127.0.0.1:9/v1/realtime", "--api-key", " padded"], "printable ASCII"),
+        # an undecodable command-line byte (a lone surrogate): refused, not a traceback
+        (["ws://127.0.0.1:9/v1/realtime", "--system-prompt", "caf\udcff"], "--system-prompt is not valid UTF-8"),
     ]
     for extra, words in cases:
         url, *options = extra
@@ -143,7 +145,11 @@ def test_clients_refuse_bad_urls_seeds_and_keys_before_connecting(tmp_path, caps
         assert "sek" not in err and "ключ" not in err and "padded" not in err, err
         assert not output.exists()
     # the microphone client shares the rules
-    for options, words in ((["--seed", str(2**64)], "--seed"), (["--api-key", "ключ"], "printable ASCII")):
+    for options, words in (
+        (["--seed", str(2**64)], "--seed"),
+        (["--api-key", "ключ"], "printable ASCII"),
+        (["--system-prompt", "\udcff"], "--system-prompt is not valid UTF-8"),
+    ):
         code = microphone.main(["ws://127.0.0.1:9/v1/realtime", *options], backend=FakeSoundDevice())
         err = capsys.readouterr().err
         assert code == 2 and words in err and "ключ" not in err, err

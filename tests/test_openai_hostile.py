@@ -225,6 +225,47 @@ def test_text_with_a_lone_surrogate_is_refused_and_changes_nothing(server):
         assert client.until("input_audio_buffer.committed")[-1]["type"] == "input_audio_buffer.committed"
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        '{"type":"bogus","event_id":"\\ud800"}',
+        '{"type":"response.cancel","event_id":"\\udc00"}',
+        '{"type":"session.update","session":{"type":"realtime","\\udc00":1}}',
+        '{"type":"response.create","response":{"\\udc00":1}}',
+    ],
+    ids=["event-id", "cancel-event-id", "session-key", "response-key"],
+)
+def test_a_lone_surrogate_echoed_in_an_error_keeps_the_connection(server, message):
+    """A client's ``event_id`` or field name comes back in the error event; with a lone
+    surrogate in it, sending that event raised in the UTF-8 encoder and dropped the
+    connection (close 1006). The error now arrives (the same JSON value, ASCII-escaped)
+    and the connection stays open."""
+    with _ga(server) as client:
+        client.recv()
+        client.send(message)
+        error = client.error()
+        assert error["code"] in ("invalid_value", "unknown_parameter", "unsupported_parameter", "response_cancel_not_active")
+        echoed = (error["event_id"] or "") + (error["param"] or "")
+        assert "\ud800" in echoed or "\udc00" in echoed, error  # the client's own text, as sent
+        _assert_open(client)
+
+
+def test_a_metadata_key_with_a_lone_surrogate_is_refused_before_the_response(server):
+    """A ``response.metadata`` key is echoed in ``response.done``: one with a lone surrogate
+    is refused up front, so no response is half made (it used to be stored, never announced,
+    and then block every later ``response.create`` as already active)."""
+    with _ga(server) as client:
+        client.recv()
+        client.send({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+        client.until("session.updated")
+        client.send('{"type":"response.create","response":{"metadata":{"\\udc00":"x"},"max_output_tokens":2}}')
+        error = client.error()
+        assert (error["code"], error["param"]) == ("invalid_value", "response.metadata key"), error
+        client.send({"type": "response.create", "response": {"metadata": {"k": "v"}, "max_output_tokens": 2}})
+        done = client.until("response.done")[-1]
+        assert done["response"]["metadata"] == {"k": "v"} and done["response"]["status"] == "incomplete", done
+
+
 def test_a_prompt_within_the_limits_opens(server):
     item = {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello."}]}}
     with _ga(server) as client:

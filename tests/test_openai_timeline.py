@@ -181,6 +181,25 @@ def test_truncate_acknowledges_known_assistant_items_only():
     assert caught.value.code == "item_truncate_invalid_item_id"
 
 
+def test_a_create_cancel_loop_keeps_a_bounded_item_memory(monkeypatch):
+    """``response.create`` / ``response.cancel`` run no frame, so a client looping them is
+    bounded by nothing else: each pair adds an assistant item, and the remembered ids stayed
+    forever. Only the newest MAX_REMEMBERED_ITEMS are kept; the newest can still be
+    truncated, the forgotten oldest cannot."""
+    monkeypatch.setattr(timeline, "MAX_REMEMBERED_ITEMS", 8)
+    line = Timeline(SessionConfig())
+    ids = []
+    for _ in range(30):
+        added = next(e for e in line.create_response(requested=True) if e["type"] == "conversation.item.added")
+        ids.append(added["item"]["id"])
+        line.cancel_response()
+    assert len(line.previous_item) == 8 and len(line.assistant_items) == 8
+    assert line.truncate(ids[-1], 0, 0)[0]["item_id"] == ids[-1]
+    with pytest.raises(RealtimeError) as caught:
+        line.truncate(ids[0], 0, 0)
+    assert caught.value.code == "item_truncate_invalid_item_id"
+
+
 # ---------------------------------------------------------------------- session.update
 
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from ..exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STATUS_HELP, EXIT_USAGE
+from ..runtime.text import lone_surrogate
 from ..seed import is_seed
 from . import OFFLINE_COMMAND, chat_refusal  # noqa: F401 - chat_refusal: part of the CLI API
 from .compat import GENERATE_FLAGS, add_mlx_vlm_options, ignored_note
@@ -79,9 +80,11 @@ class UsageError(Exception):
 def _system_prompt(args) -> str | None:
     if args.prompt is not None and args.system is not None:
         raise UsageError("give the system prompt with -p/--prompt or --system, not both")
-    if args.prompt is not None:
-        return " ".join(args.prompt)
-    return args.system
+    prompt = " ".join(args.prompt) if args.prompt is not None else args.system
+    position = None if prompt is None else lone_surrogate(prompt)
+    if position is not None:
+        raise UsageError(f"the system prompt is not valid UTF-8 text (an undecodable byte at character {position})")
+    return prompt
 
 
 def _check_arguments(args) -> list[str]:

@@ -165,13 +165,14 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-file-clien
     """Run the client; returns the exit status (see :mod:`.errors`)."""
     from ..runtime.audio_io import AudioInputError, check_wav_output_path, write_wav_pcm16
     from .display import LivePrinter, summary_lines
-    from .protocol import check_seed
+    from .protocol import check_prompt, check_seed
     from .transport import check_api_key, normalize_url
 
     args = build_parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
     printer = LivePrinter(sys.stdout)
     try:
         check_seed(args.seed)
+        check_prompt(args.system_prompt)
         api_key = check_api_key(args.api_key)
         if not (math.isfinite(args.receive_timeout) and args.receive_timeout > 0):
             raise UsageError(f"--receive-timeout must be a positive number of seconds, got {args.receive_timeout:g}")

@@ -484,8 +484,9 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat loadtest")
         parts = urlsplit(args.url)
         scheme, host = parts.scheme, parts.hostname
         parts.port  # noqa: B018 - parsed here so that a bad port is refused
-    except ValueError:
-        scheme = host = None
+    except ValueError as error:
+        print(f"error: {args.url!r} is not a valid URL ({error}); expected ws://127.0.0.1:PORT/v1/realtime", file=sys.stderr)
+        return 2
     if scheme not in ("ws", "wss") or host not in LOOPBACK:
         print(f"error: the load test runs against a server on this machine only (ws://127.0.0.1:PORT/...), got {args.url!r}", file=sys.stderr)
         return 2

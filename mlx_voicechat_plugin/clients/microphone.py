@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-mic", back
     """Run the client; returns the exit status (see :mod:`.errors`). ``backend`` replaces
     the sound-card boundary (tests)."""
     from .display import LivePrinter, summary_lines
-    from .protocol import check_seed
+    from .protocol import check_prompt, check_seed
     from .transport import check_api_key, normalize_url
 
     args = build_parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
@@ -303,6 +303,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-mic", back
 
     try:
         check_seed(args.seed)
+        check_prompt(args.system_prompt)
         api_key = check_api_key(args.api_key)
         if args.jitter_ms < 0 or args.buffer_seconds <= 0 or args.jitter_ms / 1000.0 > args.buffer_seconds:
             raise UsageError("need 0 <= --jitter-ms / 1000 <= --buffer-seconds and --buffer-seconds > 0")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..runtime.text import lone_surrogate
 from ..seed import is_seed
 from .errors import ConnectionLost, ServerBusy, ServerErrorEvent, UsageError
 
@@ -30,6 +31,18 @@ OUTPUT_SAMPLE_RATE = 22_050
 OUTPUT_FRAME_SAMPLES = 1764
 
 SUBPROTOCOL = "mlx-voicechat"
+
+
+def check_prompt(prompt: str | None) -> str | None:
+    """``prompt`` (``--system-prompt``) if it can be sent: valid Unicode text.
+
+    Raises:
+        UsageError: it holds a lone surrogate (a command line's undecodable byte).
+    """
+    position = None if prompt is None else lone_surrogate(prompt)
+    if position is not None:
+        raise UsageError(f"--system-prompt is not valid UTF-8 text (an undecodable byte at character {position})")
+    return prompt
 
 
 def check_seed(seed: int) -> int:

@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import mlx.core as mx
 from mlx_vlm.models.nemotron_voicechat.session import VoiceChatSession
 
+from .text import lone_surrogate
+
 #: Longest system prompt (tokens): each token is one LLM and one EAR-TTS step of prefill.
 MAX_PROMPT_TOKENS = 512
 
@@ -38,10 +40,8 @@ def prompt_ids(config, tokenizer, system_prompt: str | None) -> list[int]:
         raise TypeError(f"system_prompt must be a string, got {type(text).__name__}")
     if not text.strip():
         return []
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("system_prompt is not valid Unicode text (lone surrogate)") from None
+    if lone_surrogate(text) is not None:
+        raise ValueError("system_prompt is not valid Unicode text (lone surrogate)")
     if len(text) > 8 * MAX_PROMPT_TOKENS:
         raise ValueError(f"system_prompt is {len(text)} characters; at most {MAX_PROMPT_TOKENS} tokens are allowed")
     tokens = tokenizer.encode(text, add_special_tokens=False)

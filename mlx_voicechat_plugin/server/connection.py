@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import time
 
@@ -111,7 +110,7 @@ class Connection:
     async def send(self, payload: dict) -> None:
         """Send one event; a client that does not take it within ``send_timeout`` seconds
         is dropped (:meth:`abort`) and :class:`_Disconnected` is raised."""
-        text = json.dumps({"event_id": protocol.new_event_id(), **payload}, ensure_ascii=False)
+        text = protocol.event_text({"event_id": protocol.new_event_id(), **payload})
         if self.gone:
             raise _Disconnected()
         try:

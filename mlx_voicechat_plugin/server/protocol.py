@@ -81,6 +81,21 @@ def parse_message(text: str) -> dict:
     return message
 
 
+def event_text(event: dict) -> str:
+    """``event`` as the JSON text of one WebSocket text frame: UTF-8 characters as they are,
+    unless some string in it (a client's ``event_id`` or field name echoed in an error) holds
+    a lone surrogate, which JSON can carry (``"\\ud800"``) but UTF-8 cannot: then the whole
+    event is written with ASCII escapes (the same JSON value), so echoing it never breaks
+    the connection."""
+    text = json.dumps(event, ensure_ascii=False)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(event)
+    return text
+
+
 def _is_integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -479,7 +479,10 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         if self._controls is None:
             self._controls = _TokenBucket(CONTROL_FRAME_BURST, CONTROL_FRAMES_PER_SECOND)
         if self._controls.level(self.loop.time()) < 1.0:
-            self._refuse(CLOSE_POLICY, f"more than {CONTROL_FRAMES_PER_SECOND:g} control frames a second")
+            self._refuse(
+                CLOSE_POLICY,
+                f"more control frames than a burst of {CONTROL_FRAME_BURST} and then {CONTROL_FRAMES_PER_SECOND:g} a second",
+            )
             return False
         self._controls.tokens -= 1.0
         return True

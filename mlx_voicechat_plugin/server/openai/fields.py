@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...runtime.text import lone_surrogate
 from .errors import RealtimeError
 
 #: The model's system-prompt limit (``runtime.offline.MAX_PROMPT_TOKENS``; not imported here
@@ -87,10 +88,9 @@ def string(value: Any, param: str, *, optional: bool = False, max_chars: int | N
         raise fail(param, f"{param} must be a string{' or null' if optional else ''}, got {kind(value)}")
     if max_chars is not None and len(value) > max_chars:
         raise fail(param, f"{param} is {len(value)} characters; at most {max_chars} are allowed", "string_above_max_length")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise fail(param, f"{param} is not valid Unicode text (a lone surrogate at character {error.start})") from None
+    position = lone_surrogate(value)
+    if position is not None:
+        raise fail(param, f"{param} is not valid Unicode text (a lone surrogate at character {position})")
     return value
 
 
@@ -134,6 +134,7 @@ def metadata(value: Any, param: str) -> dict | None:
     for key, item in value.items():
         if len(key) > 64:
             raise fail(f"{param}.{name(key)}", f"{param} keys are at most 64 characters")
+        string(key, f"{param} key", max_chars=64)  # echoed in response.done: valid Unicode
         string(item, f"{param}.{name(key)}", max_chars=MAX_SHORT_CHARS)
     return value
 

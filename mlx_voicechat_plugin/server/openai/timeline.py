@@ -48,6 +48,18 @@ GRACE_FRAMES = 40
 MUTE_MAX_FRAMES = 25
 #: Assistant speech below this RMS (-50 dBFS) is quiet.
 OUTPUT_QUIET_RMS = 10 ** (-50 / 20)
+#: Items a connection remembers (the ids ``previous_item_id`` and
+#: ``conversation.item.truncate`` look up; the oldest is forgotten first): a client looping
+#: ``response.create`` / ``response.cancel``, which runs no frame, cannot grow them forever.
+MAX_REMEMBERED_ITEMS = 4096
+
+
+def _remember(table: dict, key: str, value) -> None:
+    """``table[key] = value``, forgetting the oldest entries past :data:`MAX_REMEMBERED_ITEMS`."""
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > MAX_REMEMBERED_ITEMS:
+        del table[next(iter(table))]
 
 
 def rms(samples: np.ndarray) -> float:
@@ -146,7 +158,7 @@ class Timeline:
     # ------------------------------------------------------------------ conversation
     def _add_item(self, item: dict) -> dict:
         event = {"type": "conversation.item.added", "previous_item_id": self.last_item_id, "item": item}
-        self.previous_item[item["id"]] = self.last_item_id
+        _remember(self.previous_item, item["id"], self.last_item_id)
         self.last_item_id = item["id"]
         return event
 
@@ -362,7 +374,7 @@ class Timeline:
                 ),
             }
         )
-        self.assistant_items[response.item_id] = response.frames * FRAME_MS
+        _remember(self.assistant_items, response.item_id, response.frames * FRAME_MS)
         return events
 
     def truncate(self, item_id: str, content_index: int, audio_end_ms: int) -> list[dict]:
