@@ -292,6 +292,7 @@ def test_errors_have_the_ga_shape_and_keep_the_connection_open(server):
             ({"type": "input_audio_buffer.append", "event_id": "e5", "audio": base64.b64encode(b"\x01").decode()}, "invalid_value", "audio"),
             ({"type": "conversation.item.create", "event_id": "e6", "item": {"type": "function_call_output", "call_id": "c", "output": "{}"}}, "unsupported_parameter", "item.type"),
             ({"type": "conversation.item.truncate", "event_id": "e7", "item_id": "item_x", "content_index": 0, "audio_end_ms": 5}, "item_truncate_invalid_item_id", "item_id"),
+            ({"type": "conversation.item.truncate", "event_id": "e10", "item_id": "item_x", "content_index": 10**20, "audio_end_ms": 5}, "invalid_value", "content_index"),
             ({"type": "response.create", "event_id": "e8", "response": {"instructions": "Something else"}}, "unsupported_parameter", "response.instructions"),
             ({"type": "response.create", "event_id": "e9", "response": {"tools": [{"type": "function"}]}}, "unsupported_parameter", "response.tools"),
         ]

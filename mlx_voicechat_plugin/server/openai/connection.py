@@ -395,6 +395,8 @@ class OpenAIConnection(Connection):
             raise RealtimeError("invalid_value", "item_id must be a string", param="item_id")
         if not session_config.is_int(index) or index < 0:
             raise RealtimeError("invalid_value", "content_index must be a non-negative integer", param="content_index")
+        if index != 0:  # an assistant item holds one content part (its audio)
+            raise RealtimeError("invalid_value", "content_index must be 0: an assistant item has one content part", param="content_index")
         if not session_config.is_int(end) or end < 0:
             raise RealtimeError("invalid_value", "audio_end_ms must be a non-negative integer", param="audio_end_ms")
         await self._send_all(self.timeline.truncate(item_id, index, end))
