@@ -164,3 +164,19 @@ def _frame(opcode: int, payload: bytes, fin: bool) -> bytes:
     return bytes([(0x80 if fin else 0) | opcode, 0x80 | len(payload)]) + mask + bytes(
         b ^ mask[i % 4] for i, b in enumerate(payload)
     )
+
+
+def test_a_text_message_that_is_not_utf8_closes_with_1007_and_no_traceback(server, caplog):
+    """Invalid UTF-8 in a text message (one frame or fragments): close 1007 and one warning
+    line, not uvicorn's ERROR with a traceback per message; a valid non-ASCII message is
+    served as before."""
+    raw = _raw(server)
+    raw.send_text('{"type":"session.ping","note":"caf\u00e9"}')
+    assert raw.recv_json()["type"] == "session.pong"
+    with caplog.at_level("WARNING"):
+        raw.send_frame(0x1, b'{"type":"caf', False)
+        raw.send_frame(0x0, b'\xc3"}', True)  # a UTF-8 sequence cut short across the fragments
+        assert raw.close_code(timeout=10) in (1007, None)
+        _still_serving(server)
+    assert not any(record.exc_info for record in caplog.records), [record.getMessage() for record in caplog.records]
+    assert any("not valid UTF-8" in record.getMessage() for record in caplog.records)

@@ -116,6 +116,8 @@ FRAME_BURST = 8192
 FRAMES_PER_SECOND = 1024.0
 #: Close codes of those refusals (RFC 6455: message too big, policy violation).
 CLOSE_TOO_BIG, CLOSE_POLICY = 1009, 1008
+#: Close code of a text message that is not UTF-8 (RFC 6455 section 8.1: invalid data).
+CLOSE_INVALID_DATA = 1007
 
 class _TokenBucket:
     """``burst`` tokens, refilled at ``rate`` a second (seconds from ``loop.time()``)."""
@@ -486,6 +488,23 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
             return False
         self._controls.tokens -= 1.0
         return True
+
+    def send_receive_event_to_app(self) -> None:
+        # A text message that is not UTF-8 is refused here (1007, one warning line): uvicorn
+        # would log it at ERROR with a traceback, once per message a client chooses to send.
+        # Only a message with non-ASCII bytes (rare: the protocol's own text is ASCII) is
+        # decoded an extra time.
+        if self.curr_msg_data_type == "text" and not self.close_sent and self.frames:
+            data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
+            self.frames = [data]
+            if not data.isascii():
+                try:
+                    bytes(data).decode()
+                except UnicodeDecodeError:
+                    self.frames = []
+                    self._refuse(CLOSE_INVALID_DATA, "a text message that is not valid UTF-8")
+                    return
+        super().send_receive_event_to_app()
 
     def handle_text(self, event) -> None:
         self._fragments = self._message_bytes = 0
