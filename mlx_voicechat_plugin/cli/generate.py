@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from ..exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STATUS_HELP, EXIT_USAGE
-from ..runtime.text import lone_surrogate
 from ..seed import is_seed
+from ..unicode_text import lone_surrogate
 from . import OFFLINE_COMMAND, chat_refusal  # noqa: F401 - chat_refusal: part of the CLI API
 from .compat import GENERATE_FLAGS, add_mlx_vlm_options, ignored_note
 from .output import droppable, labelled

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..runtime.text import lone_surrogate
 from ..seed import is_seed
+from ..unicode_text import lone_surrogate
 from .errors import ConnectionLost, ServerBusy, ServerErrorEvent, UsageError
 
 #: Input rate (Hz) and samples per 80 ms append.

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 from mlx_vlm.models.nemotron_voicechat.session import VoiceChatSession
 
-from .text import lone_surrogate
+from ..unicode_text import lone_surrogate
 
 #: Longest system prompt (tokens): each token is one LLM and one EAR-TTS step of prefill.
 MAX_PROMPT_TOKENS = 512

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..seed import is_seed
+from ..unicode_text import lone_surrogate
 
 INPUT_FORMAT = {"type": "pcm16", "sample_rate": 16000}
 OUTPUT_FORMAT = {"type": "pcm16", "sample_rate": 22050}
@@ -88,11 +89,8 @@ def event_text(event: dict) -> str:
     event is written with ASCII escapes (the same JSON value), so echoing it never breaks
     the connection."""
     text = json.dumps(event, ensure_ascii=False)
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            return json.dumps(event)
+    if not text.isascii() and lone_surrogate(text) is not None:
+        return json.dumps(event)
     return text
 
 

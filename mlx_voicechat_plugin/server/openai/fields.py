@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...runtime.text import lone_surrogate
+from ...unicode_text import lone_surrogate
 from .errors import RealtimeError
 
 #: The model's system-prompt limit (``runtime.offline.MAX_PROMPT_TOKENS``; not imported here
