@@ -495,11 +495,11 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         # Only a message with non-ASCII bytes (rare: the protocol's own text is ASCII) is
         # decoded an extra time.
         if self.curr_msg_data_type == "text" and not self.close_sent and self.frames:
-            data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
+            data = bytes(self.frames[0]) if len(self.frames) == 1 else b"".join(self.frames)
             self.frames = [data]
             if not data.isascii():
                 try:
-                    bytes(data).decode()
+                    data.decode()
                 except UnicodeDecodeError:
                     self.frames = []
                     self._refuse(CLOSE_INVALID_DATA, "a text message that is not valid UTF-8")
