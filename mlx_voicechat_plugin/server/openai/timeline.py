@@ -30,6 +30,7 @@ order, without ``event_id`` (the connection adds it).
 from __future__ import annotations
 
 import base64
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,12 +55,12 @@ OUTPUT_QUIET_RMS = 10 ** (-50 / 20)
 MAX_REMEMBERED_ITEMS = 4096
 
 
-def _remember(table: dict, key: str, value) -> None:
+def _remember(table: OrderedDict, key: str, value) -> None:
     """``table[key] = value``, forgetting the oldest entries past :data:`MAX_REMEMBERED_ITEMS`."""
     table.pop(key, None)
     table[key] = value
     while len(table) > MAX_REMEMBERED_ITEMS:
-        del table[next(iter(table))]
+        table.popitem(last=False)
 
 
 def rms(samples: np.ndarray) -> float:
@@ -140,7 +141,7 @@ class Timeline:
         self.config = config
         self.conversation_id = items.new_id("conv")
         self.last_item_id: str | None = None
-        self.previous_item: dict[str, str | None] = {}  # item id -> the item added before it
+        self.previous_item: OrderedDict[str, str | None] = OrderedDict()  # item id -> the item added before it
         self.last_frame = -1
         # user side
         self.user_item: str | None = None
@@ -153,7 +154,7 @@ class Timeline:
         self.response: _Response | None = None
         self.muted_frames: int | None = None
         self.mute_quiet = 0
-        self.assistant_items: dict[str, int] = {}  # item id -> audio ms sent
+        self.assistant_items: OrderedDict[str, int] = OrderedDict()  # item id -> audio ms sent
 
     # ------------------------------------------------------------------ conversation
     def _add_item(self, item: dict) -> dict:
