@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_vlm.models.base import scaled_dot_product_attention
 
-from ...execution import attention_work
+from ...execution import DEFAULT, attention_work
 from .lanes import in_lanes_wanted
 
 
@@ -117,7 +117,6 @@ def attend_sessions(
         for own, (keys, values), cache in zip(queries, fetched, caches)
     ]
     if each is None or not in_lanes_wanted("attention"):
-        outputs = [call() for call in calls]
-    else:
-        outputs = each(calls, [attention_work(own, keys) for own, (keys, _) in zip(queries, fetched)])
+        each = DEFAULT.attend_each  # in order on the caller's stream
+    outputs = each(calls, [attention_work(own, keys) for own, (keys, _) in zip(queries, fetched)])
     return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)

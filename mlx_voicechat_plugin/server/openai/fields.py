@@ -134,7 +134,7 @@ def metadata(value: Any, param: str) -> dict | None:
     for key, item in value.items():
         if len(key) > 64:
             raise fail(f"{param}.{name(key)}", f"{param} keys are at most 64 characters")
-        string(key, f"{param} key", max_chars=64)  # echoed in response.done: valid Unicode
+        string(key, f"{param} key")  # echoed in response.done: valid Unicode (length checked above)
         string(item, f"{param}.{name(key)}", max_chars=MAX_SHORT_CHARS)
     return value
 
