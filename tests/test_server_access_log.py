@@ -44,7 +44,7 @@ def test_refused_upgrades_log_no_error(tiny, engine):
                 assert raised.value.response.status_code == status
                 assert b"message" in raised.value.response.body  # the JSON reason still arrives
             host = f"attacker.test:{server.port}"  # the DNS-rebinding guard (middleware)
-            raw = RawClient("127.0.0.1", server.port, "/v1/realtime", headers={"Host": host})
+            raw = RawClient("127.0.0.1", server.port, "/v1/realtime", headers={"Host": host, "Origin": f"http://{host}"})
             assert raw.status == 403
             raw.sock.close()
             time.sleep(0.5)  # the ASGI task ends just after the response is written

@@ -132,11 +132,12 @@ def test_second_update_and_unknown_type_after_update(server, audio):
 
 
 @pytest.mark.parametrize("session", [[1], "x", 5, True], ids=repr)
-def test_session_must_be_an_object(server, audio, session):
+def test_a_session_field_that_is_not_an_object_fails_initialization(server, audio, session):
+    """An invalid field of session.update, as the spec's error table files it."""
     with server.connect() as client:
         client.created()
         client.send({"type": "session.update", "session": session})
-        assert "object" in client.recv_error("invalid_request")
+        assert "object" in client.recv_error("session_initialization_failed")
         client.send(update())
         client.recv_type("session.updated")
         _frames_then_commit(client, audio)
@@ -177,7 +178,6 @@ def test_invalid_session_fields_fail_initialization_and_allow_a_retry(server, au
 @pytest.mark.parametrize(
     "raw",
     [
-        '{"type":"session.update","session":{"max_streaming_seconds":Infinity}}',
         '{"type":"session.update","session":{"max_streaming_seconds":-Infinity}}',
         '{"type":"session.update","session":{"max_streaming_seconds":NaN}}',
         '{"type":"session.update","session":{"seed":NaN}}',
@@ -196,12 +196,38 @@ def test_non_finite_json_literals_fail_initialization_cleanly(server, audio, raw
         _frames_then_commit(client, audio)
 
 
-def test_max_streaming_seconds_larger_than_any_float_is_clamped(server, audio):
+@pytest.mark.parametrize(
+    "raw",
+    [
+        json.dumps(update(max_streaming_seconds=10**400)),
+        '{"type":"session.update","session":{"max_streaming_seconds":1e999}}',
+        '{"type":"session.update","session":{"max_streaming_seconds":Infinity}}',
+    ],
+    ids=["huge-integer", "1e999", "Infinity"],
+)
+def test_max_streaming_seconds_larger_than_any_float_is_clamped(server, audio, raw):
     with server.connect() as client:
         client.created()
-        client.send(json.dumps(update(max_streaming_seconds=10**400)))
+        client.send(raw)
         client.recv_type("session.updated")
         _frames_then_commit(client, audio)
+
+
+@pytest.mark.parametrize("seconds", [0.05, 0.079, 1e-300])
+def test_a_limit_below_one_frame_opens_and_its_first_frame_fails(server, audio, seconds):
+    """Positive is valid (spec: only a non-positive value fails initialization); the
+    stream is past its limit at the first frame, an inference_error, as in the reference."""
+    with server.connect() as client:
+        client.created()
+        client.send(update(max_streaming_seconds=seconds))
+        client.recv_type("session.updated")
+        client.send(append(audio))
+        assert "max_streaming_seconds" in client.recv_error("inference_error")
+        assert client.ping_roundtrip() == []  # the loop goes on
+        client.send({"type": "input_audio_buffer.commit"})
+        events, code = client.until_closed()
+    assert not [e for e in client.events if e["type"] == "response.audio.delta"]
+    assert events[-1] == {**events[-1], "type": "response.done", "frame_index": 0} and code == 1000
 
 
 def test_valid_edge_values_are_accepted(server, audio):

@@ -113,17 +113,19 @@ def parse_session_update(message: dict, max_session_seconds: float) -> SessionCo
     ``max_streaming_seconds`` larger than the server limit (or absent) is clamped to it.
 
     Raises:
-        ProtocolError(invalid_request): ``session`` is present but not an object.
-        ProtocolError(session_initialization_failed): an invalid field value.
+        ProtocolError(session_initialization_failed): an invalid field: ``session`` present
+            but not an object, or an invalid value in it (spec error table: "session.update
+            failed (an invalid field ...)"; the connection stays open for a retry).
     """
+
+    def fail(text: str):
+        return ProtocolError(SESSION_INITIALIZATION_FAILED, text)
+
     session = message.get("session", {})
     if session is None:
         session = {}
     if not isinstance(session, dict):
-        raise ProtocolError(INVALID_REQUEST, "session.update: 'session' must be a JSON object")
-
-    def fail(text: str):
-        return ProtocolError(SESSION_INITIALIZATION_FAILED, text)
+        raise fail("session.update: 'session' must be a JSON object")
 
     prompt = session.get("system_prompt")
     if prompt is not None and not isinstance(prompt, str):
@@ -140,9 +142,10 @@ def parse_session_update(message: dict, max_session_seconds: float) -> SessionCo
     else:
         if isinstance(limit, bool) or not isinstance(limit, (int, float)):
             raise fail("session.max_streaming_seconds must be a number")
-        # JSON integers may exceed the float range: compare them as integers (no overflow).
-        if (isinstance(limit, float) and not math.isfinite(limit)) or limit <= 0:
-            raise fail("session.max_streaming_seconds must be a positive finite number")
+        # JSON integers may exceed the float range: compare them as integers (no overflow);
+        # a number too large for a float (1e999 reads as infinity) is clamped like any other.
+        if (isinstance(limit, float) and math.isnan(limit)) or limit <= 0:
+            raise fail("session.max_streaming_seconds must be a positive number")
         seconds = float(min(limit, max_session_seconds))
     return SessionConfig(system_prompt=prompt, seed=seed, max_streaming_seconds=seconds)
 

@@ -5,11 +5,17 @@
   ``mlx-voicechat.bearer.<base64url(key)>`` next to ``mlx-voicechat``; the server answers
   with ``mlx-voicechat`` and never echoes the key. (A query parameter would leak the key into
   logs and browser history, so none is accepted.) Keys are compared in constant time.
-* Host (every HTTP and WebSocket request, DNS-rebinding guard): the ``Host`` header must
-  name an IP address, ``localhost`` / ``*.localhost``, or a host in ``--allowed-hosts``
-  (``*`` allows any); others get 403. A rebinding page reaches the server under its own
-  name (``Host: attacker.test``), so it is refused however its DNS answers. The same rule
-  as Vite's and webpack-dev-server's ``allowedHosts``.
+* Host (DNS-rebinding guard, on every request a browser makes): the ``Host`` header of a
+  request carrying ``Origin`` or a Fetch Metadata header (``Sec-Fetch-*``) must name an IP
+  address, ``localhost`` / ``*.localhost``, or a host in ``--allowed-hosts`` (``*`` allows
+  any); others get 403. A rebinding page reaches the server under its own name
+  (``Host: attacker.test``), so it is refused however its DNS answers (the rule of Vite's
+  and webpack-dev-server's ``allowedHosts``). Browsers send ``Origin`` on every WebSocket
+  upgrade and Fetch Metadata on every request (older browsers: ``Origin`` on all but
+  same-origin GET/HEAD). A request with neither, a non-browser client, is accepted under
+  any well-formed name (spec "Realtime WebSocket": "a client that sends no Origin (a
+  non-browser client) is accepted"), so ``ws://my-server.lan:8080/v1/realtime`` works as
+  typed; a malformed ``Host`` is refused from anyone.
 * Origin: a request without an ``Origin`` header (a non-browser client) is accepted; a
   browser origin is accepted when it is the server's own origin (the bundled page: the
   Origin's host and port equal an *allowed* ``Host``) or is listed in ``--cors-origins`` /
@@ -82,6 +88,25 @@ def host_allowed(host: str | None, allowed_hosts: tuple[str, ...] = ()) -> bool:
     return True
 
 
+#: Request headers only browsers send: ``Origin`` and the Fetch Metadata headers.
+BROWSER_HEADERS = ("origin", "sec-fetch-site", "sec-fetch-mode", "sec-fetch-dest", "sec-fetch-user")
+
+
+def from_browser(headers) -> bool:
+    """True when a request carries a header only browsers send (:data:`BROWSER_HEADERS`):
+    the requests the Host guard applies to. ``headers``: a case-insensitive mapping of
+    request headers (Starlette ``Headers``)."""
+    return any(name in headers for name in BROWSER_HEADERS)
+
+
+def host_refused(host: str | None, headers, allowed_hosts: tuple[str, ...] = ()) -> bool:
+    """The Host guard (module docstring): True when ``host`` is malformed, or names a host
+    :func:`host_allowed` refuses on a request :func:`from_browser`."""
+    if host is not None and not host_name(host):
+        return True
+    return from_browser(headers) and not host_allowed(host, allowed_hosts)
+
+
 def _normal_origin(origin: str) -> str:
     """``scheme://host[:port]`` with scheme and host in lower case (RFC 6454 section 6.1)."""
     origin = origin.strip().rstrip("/")
@@ -151,8 +176,8 @@ def accepted_subprotocol(offered: list[str]) -> str | None:
 
 
 class HostGuardMiddleware:
-    """ASGI middleware: refuse HTTP and WebSocket requests whose ``Host`` fails
-    :func:`host_allowed` with 403 (a WebSocket upgrade is refused before accept).
+    """ASGI middleware: refuse HTTP and WebSocket requests that :func:`host_refused` with
+    403 (a WebSocket upgrade is refused before accept).
 
     Args:
         app: the ASGI application.
@@ -168,8 +193,9 @@ class HostGuardMiddleware:
             from starlette.datastructures import Headers
             from starlette.responses import JSONResponse
 
-            host = Headers(scope=scope).get("host")
-            if not host_allowed(host, self.allowed_hosts):
+            headers = Headers(scope=scope)
+            host = headers.get("host")
+            if host_refused(host, headers, self.allowed_hosts):
                 message = (
                     f"Host {(host_name(host or '') or host or '')[:100]!r} is not allowed (DNS rebinding guard); "
                     "start the server with --allowed-hosts NAME to serve it under that name"

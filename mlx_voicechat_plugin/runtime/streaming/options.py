@@ -22,7 +22,9 @@ class StreamingOptions:
             uses the checkpoint default (empty), a blank string means none.
         seed: EAR-TTS sampling seed, an integer in ``[0, 2**64)`` (default 0).
         max_streaming_seconds: stop with :class:`ContextLimitError` after this much audio
-            (``None``: unbounded). Must be finite and allow one 80 ms frame (>= 0.08).
+            (``None``: unbounded), counted in whole 80 ms frames (:meth:`max_frames`). Must
+            be positive and finite; as upstream's ``create_streaming_session``, a value
+            below one frame (0.08) is accepted and refuses the first frame.
         use_language_cache: persistent Nemotron-H caches (default); False recomputes the
             LLM over the full fused-input history every frame (diagnostic).
         use_perception_cache: cache-aware log-mel + FastConformer (default); False
@@ -55,10 +57,6 @@ class StreamingOptions:
                 limit = math.inf
             if not math.isfinite(limit) or limit <= 0:
                 raise ValueError(f"max_streaming_seconds must be positive and finite, got {limit!r}")
-            if self.max_frames() < 1:
-                raise ValueError(
-                    f"max_streaming_seconds must allow at least one 80 ms frame (>= 0.08), got {limit!r}"
-                )
 
     def max_frames(self, frame_seconds: float = 0.08) -> int | None:
         """Whole frames allowed by ``max_streaming_seconds`` (exact decimal arithmetic).
