@@ -16,8 +16,11 @@ def resolve_checkpoint(model: str | Path) -> Path:
     """Return the local directory of ``model`` (a path or an already-downloaded hub id).
 
     Raises:
-        CheckpointError: nothing usable is there, or it is another model type.
+        CheckpointError: nothing usable is there (an empty name included), or it is
+            another model type.
     """
+    if not str(model).strip():
+        raise CheckpointError("--model is empty: give the checkpoint directory (the one holding config.json)")
     config = find_config(model)
     if config is None:
         path = Path(model).expanduser()

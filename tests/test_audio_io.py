@@ -129,6 +129,9 @@ BAD_INPUTS = {
     "nan": (lambda d: _nonfinite(d / "nan.wav", np.nan), "NaN or infinite"),
     "inf": (lambda d: _nonfinite(d / "inf.wav", np.inf), "NaN or infinite"),
     "minus-inf": (lambda d: _nonfinite(d / "minf.wav", -np.inf), "NaN or infinite"),
+    # 34,500 samples claimed at 2**31 - 1 Hz: not one 16 kHz sample once resampled
+    "no-sample-at-16k": (lambda d: _write(d / "fast.wav", np.ones(34_500, np.int16), rate=2**31 - 1),
+                         "not one sample at 16000 Hz"),
 }
 
 
@@ -143,6 +146,16 @@ def test_read_audio_rejects_bad_input(tmp_path, case):
     assert reason in message
     assert str(path) in message
     assert "\n" not in message
+
+
+def test_read_audio_says_permission_denied(tmp_path, monkeypatch):
+    """A file this user may not read (simulated: root reads any file) is named as such, not
+    as "not a readable audio file"."""
+    path = _write(tmp_path / "locked.wav", np.zeros(1_600, np.int16))
+    real = os.access
+    monkeypatch.setattr(audio_io.os, "access", lambda p, mode: False if Path(p) == path else real(p, mode))
+    with pytest.raises(AudioInputError, match="permission denied"):
+        read_audio(path)
 
 
 # --------------------------------------------------------------------------- PCM16 writer

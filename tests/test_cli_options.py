@@ -239,11 +239,13 @@ def _subprocess_main(argv: list[str], cwd: Path) -> tuple[int, str, list[str]]:
         (["serve", "--cors-origins", "not a url"], "--allowed-origins entry 'not'"),
         (["serve", "--allowed-origins", "http://a.example/path"], "not a browser Origin"),
         (["demo", "build", "."], "already exists"),
+        (["generate", "--model", "", "--audio", str(SPEECH_WAV), "--output-audio", "a.wav"], "--model is empty"),
     ],
     ids=["missing-input", "mp3-output", "generate-bad-model", "serve-bad-model", "serve-empty-key",
          "serve-blank-key", "serve-padded-key", "serve-non-ascii-key", "serve-control-key",
          "serve-sessions-over-connections", "serve-sessions-over-custom-connections", "serve-blank-alias",
-         "serve-control-alias", "serve-origin-not-url", "serve-origin-with-path", "demo-existing"],
+         "serve-control-alias", "serve-origin-not-url", "serve-origin-with-path", "demo-existing",
+         "generate-empty-model"],
 )
 def test_the_same_mistake_exits_2_before_heavy_imports(tmp_path, argv, words):
     code, err, heavy = _subprocess_main(argv, tmp_path)
@@ -298,6 +300,42 @@ def test_generate_prints_labelled_lines_and_the_wav_path(tiny, tmp_path, monkeyp
     for line in lines:
         assert not any(ord(c) < 32 or 0x7F <= ord(c) < 0xA0 for c in line), repr(line)
     assert f"[audio] wrote {output} (" in err.getvalue() and "22050 Hz mono PCM16" in err.getvalue()
+    assert "replaced" not in err.getvalue()
+    again = io.StringIO()  # the same output again: replaced, and the line says so
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(again):
+        assert main(["generate", "--model", str(tiny), "--audio", str(SPEECH_WAV),
+                     "--extra-decoding-seconds", "0.5", "--output-audio", str(output)]) == 0
+    assert "22050 Hz mono PCM16; replaced the existing file)" in again.getvalue(), again.getvalue()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--audio", str(SPEECH_WAV), "--audio", str(SPEECH_WAV), "--output-audio", "a.wav"],
+        ["--audio", str(SPEECH_WAV), "--output-audio", "a.wav", "--output", "b.wav"],
+        ["--audio", str(SPEECH_WAV), "--output-audio", "a.wav", "-p", "x", "--prompt", "y"],
+        ["--model", "a", "--model", "b", "--audio", str(SPEECH_WAV), "--output-audio", "a.wav"],
+    ],
+    ids=["audio", "output", "prompt", "model"],
+)
+def test_generate_refuses_an_option_given_twice(argv, capsys):
+    """argparse would keep the last value silently (answering another file than meant)."""
+    from mlx_voicechat_plugin.cli.main import main
+
+    assert main(["generate", *argv]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "was given more than once" in err and err.startswith("usage: "), err
+
+
+def test_a_system_prompt_over_the_token_limit_is_an_input_error(tiny, tmp_path, capsys):
+    from mlx_voicechat_plugin.cli.main import main
+
+    code = main(["generate", "--model", str(tiny), "--audio", str(SPEECH_WAV), "--output-audio",
+                 str(tmp_path / "a.wav"), "-p", "word " * 600])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == EXIT_USAGE and len(lines) == 1 and "at most 512" in lines[0], err
+    assert not (tmp_path / "a.wav").exists()
 
 
 # --------------------------------------------------------------------------- banner and page

@@ -132,6 +132,19 @@ def test_api_key_missing_wrong_and_right(serve, tmp_path, capsys):  # noqa: F811
     captured = capsys.readouterr()
     assert status == 0, captured.err
     assert soundfile.info(str(tmp_path / "a.wav")).frames == 6 * OUTPUT_FRAME_SAMPLES  # 0.45 s -> 6 frames (the last padded)
+    assert "replaced" not in captured.err
+    status = file_client.main([server.ws(), str(short), str(tmp_path / "a.wav"), "--api-key", "s3cret",
+                               "--extra-seconds", "0.2", "--quiet"])
+    captured = capsys.readouterr()
+    assert status == 0 and f"note: replaced the existing {tmp_path / 'a.wav'}" in captured.err, captured.err
+
+
+@pytest.mark.parametrize("origin", ["a\r\nX-Injected: y", " http://localhost:1", ""])
+def test_an_origin_that_is_no_header_value_is_a_usage_error(tmp_path, capsys, origin):
+    short = tmp_path / "short.wav"
+    soundfile.write(str(short), np.zeros(4000, dtype=np.int16), 16000, subtype="PCM_16")
+    status = file_client.main(["ws://127.0.0.1:9/v1/realtime", str(short), str(tmp_path / "a.wav"), "--origin", origin])
+    _one_error_line(capsys, status, 2, "--origin")
 
 
 def test_refused_origin_is_one_line(serve, question_16k_wav, tmp_path, capsys):  # noqa: F811
@@ -282,3 +295,14 @@ def test_receive_timeout_must_be_positive_and_finite(value, question_16k_wav, tm
     status = file_client.main(["ws://127.0.0.1:9/v1/realtime", str(question_16k_wav), str(tmp_path / "a.wav"),
                                "--receive-timeout", value])
     _one_error_line(capsys, status, 2, "--receive-timeout")
+
+
+def test_an_input_that_cannot_fit_the_session_with_its_silence_is_refused_before_connecting(tmp_path, capsys):
+    """599 s plus the default 3 s of silence passes the server's 600 s: exit 2 at once (the
+    server would refuse it only after minutes of sending)."""
+    long = tmp_path / "long.wav"
+    soundfile.write(str(long), np.zeros(599 * 16000, dtype=np.int16), 16000, subtype="PCM_16")
+    status = file_client.main(["ws://127.0.0.1:9/v1/realtime", str(long), str(tmp_path / "a.wav")])
+    _one_error_line(capsys, status, 2, "599.00 s", "--extra-seconds", "600")
+    # what fits, fits: 599 s + 1 s is exactly 7,500 frames
+    assert file_client.load_input(str(long), 1.0).shape[0] == 600 * 16000

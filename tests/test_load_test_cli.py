@@ -110,3 +110,93 @@ def test_a_timeout_during_the_paced_run_reports_what_was_measured(server, capsys
     assert 0 < frames < 100, out  # some of the 100 paced frames, not all
     assert elapsed < 8, elapsed
     server.wait_slot_free()
+
+
+class _Responder:
+    """A TCP server on this machine answering every connection with ``chunks``, one every
+    ``interval`` seconds (a misbehaving /metrics endpoint); closed by the ``with`` block."""
+
+    def __init__(self, chunks: list[bytes], interval: float = 0.0):
+        import socket
+        import threading
+
+        self.chunks, self.interval = chunks, interval
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.listener.settimeout(0.2)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        import threading
+
+        while not self.stop.is_set():
+            try:
+                connection = self.listener.accept()[0]
+            except OSError:
+                continue
+            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+
+    def _answer(self, connection) -> None:
+        with connection:
+            try:
+                for chunk in self.chunks:
+                    connection.sendall(chunk)
+                    if self.stop.wait(self.interval):
+                        return
+                self.stop.wait(60)
+            except OSError:
+                pass
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.listener.getsockname()[1]}/v1/realtime"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(5)
+        self.listener.close()
+
+
+def _one_line_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert len(lines[0]) < 400 and lines[0].isascii(), err
+    return lines[0]
+
+
+def test_a_metrics_answer_trickling_in_cannot_outlast_the_timeout(capsys):
+    """One header line a second: each read is quick, the answer never complete."""
+    trickle = [b"HTTP/1.1 200 OK\r\n"] + [b"X-Slow: 1\r\n"] * 100
+    with _Responder(trickle, interval=1.0) as responder:
+        started = time.monotonic()
+        status = main([responder.url, "--callers", "1", "--seconds", "1", "--timeout", "3", "--no-compare"])
+        elapsed = time.monotonic() - started
+    assert status == 1 and elapsed < 8, elapsed
+    assert "did not finish within --timeout 3 s" in _one_line_error(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [[b"\x00\xff" * 1000 + b"\r\n\r\n"], [b"HTTP/1.1 200 OK\r\n" + b"X-Many: 1\r\n" * 150 + b"\r\n"]],
+    ids=["binary garbage", "too many headers"],
+)
+def test_a_server_that_is_not_http_is_one_line_and_status_1(chunks, capsys):
+    with _Responder(chunks) as responder:
+        status = main([responder.url, "--callers", "1", "--seconds", "1", "--timeout", "20", "--no-compare"])
+    line = _one_line_error(capsys.readouterr().err)
+    assert status == 1 and "/metrics" in line and "--timeout" not in line, line
+
+
+def test_a_metrics_scrape_that_times_out_is_not_called_the_runs_timeout(silent_listener, capsys):
+    started = time.monotonic()
+    status = main([silent_listener, "--callers", "1", "--seconds", "1", "--timeout", "60", "--no-compare"])
+    elapsed = time.monotonic() - started
+    line = _one_line_error(capsys.readouterr().err)
+    assert status == 1 and "no complete answer within 10 s" in line and "--timeout 60" not in line, line
+    assert elapsed < 20, elapsed

@@ -28,6 +28,16 @@ from .output import droppable, labelled
 #: the same cap, this only reports it with the flag's spelling before any work is done).
 MAX_EXTRA_DECODING_SECONDS = 600.0
 
+class _Once(argparse.Action):
+    """Store an option's value, refusing a second occurrence (argparse keeps the last one
+    silently: ``--audio a.wav --audio b.wav`` would answer ``b.wav`` alone)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} was given more than once (give it once)")
+        setattr(namespace, self.dest, values)
+
+
 def build_parser(prog: str = "mlx-voicechat generate") -> argparse.ArgumentParser:
     """The argument parser (mlx-vlm compatible spellings)."""
     parser = argparse.ArgumentParser(
@@ -39,17 +49,17 @@ def build_parser(prog: str = "mlx-voicechat generate") -> argparse.ArgumentParse
         ),
         epilog=EXIT_STATUS_HELP,
     )
-    parser.add_argument("--model", "-m", default=None,
+    parser.add_argument("--model", "-m", default=None, action=_Once,
                         help="checkpoint directory or downloaded hub id (default: the "
                         "built-in tiny demo checkpoint, built once and cached)")
-    parser.add_argument("--audio", nargs="+", default=None, metavar="PATH",
-                        help="the user's speech (WAV/FLAC/OGG/AIFF, any rate and channel count); exactly one "
+    parser.add_argument("--audio", nargs="+", default=None, metavar="PATH", action=_Once,
+                        help="the user's speech (WAV/FLAC/OGG/MP3/AIFF, any rate and channel count); exactly one "
                         "file, one user turn (the flag takes a list only for mlx-vlm compatibility)")
-    parser.add_argument("--output-audio", "--output", dest="output_audio", default=None,
+    parser.add_argument("--output-audio", "--output", dest="output_audio", default=None, action=_Once,
                         metavar="PATH", help="required: where to write the spoken answer (.wav)")
-    parser.add_argument("-p", "--prompt", nargs="+", default=None,
+    parser.add_argument("-p", "--prompt", nargs="+", default=None, action=_Once,
                         help="system prompt (default: none)")
-    parser.add_argument("--system", default=None, help="system prompt (mlx-vlm spelling)")
+    parser.add_argument("--system", default=None, action=_Once, help="system prompt (mlx-vlm spelling)")
     parser.add_argument("--extra-decoding-seconds", type=float, default=3.0,
                         help="silence appended after the input so the model can finish "
                         "(default 3, at most 600)")
@@ -238,6 +248,12 @@ def _run(args) -> int:
         model_path = default_checkpoint()
         print(f"[model] built-in demo checkpoint (random weights): {model_path}", file=sys.stderr)
     model, tokenizer = load(model_path)
+    from ..runtime.timeline import prompt_ids
+
+    try:  # the prompt's length in tokens: an input error (2), before any audio is run
+        prompt_ids(model.config, tokenizer, system_prompt)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
     if args.stream:
         from .stream import run_stream
@@ -276,8 +292,11 @@ def _run(args) -> int:
 
 
 def _write_answer(write, output: Path, samples, sample_rate: int) -> None:
-    """Write the answer WAV and say where (stderr: stdout keeps the text lines)."""
+    """Write the answer WAV and say where, and whether it replaced a file (stderr: stdout
+    keeps the text lines)."""
+    replaced = os.path.lexists(output)
     path = write(output, samples, sample_rate)
     seconds = samples.shape[0] / sample_rate
     sys.stdout.flush()  # the text lines first, also when both streams go to one file or pipe
-    print(f"[audio] wrote {path} ({seconds:.2f} s, {sample_rate} Hz mono PCM16)", file=sys.stderr)
+    note = "; replaced the existing file" if replaced else ""
+    print(f"[audio] wrote {path} ({seconds:.2f} s, {sample_rate} Hz mono PCM16{note})", file=sys.stderr)

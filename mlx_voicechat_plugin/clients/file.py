@@ -63,7 +63,7 @@ def build_parser(prog: str = "mlx-voicechat-file-client") -> argparse.ArgumentPa
         epilog=EXIT_STATUS_HELP,
     )
     parser.add_argument("url", help="realtime endpoint, e.g. ws://127.0.0.1:8080/v1/realtime")
-    parser.add_argument("input", help="the question (WAV/FLAC/OGG/AIFF, any rate and channel count)")
+    parser.add_argument("input", help="the question (WAV/FLAC/OGG/MP3/AIFF, any rate and channel count)")
     parser.add_argument("output", help="where to write the answer audio (.wav)")
     parser.add_argument("--system-prompt", "-p", default=None, help="system prompt (default: the checkpoint's, empty)")
     parser.add_argument("--seed", type=int, default=0, help="EAR-TTS sampling seed (default 0)")
@@ -87,8 +87,9 @@ def load_input(path: str, extra_seconds: float) -> np.ndarray:
 
     Raises:
         UsageError: unreadable file, no samples, longer than :data:`MAX_INPUT_SECONDS`
-            (checked from the header first, then while decoding in blocks), or
-            ``extra_seconds`` out of [0, 600].
+            (checked from the header first, then while decoding in blocks), with the
+            silence more than :data:`MAX_INPUT_SECONDS` of 80 ms frames (the server's
+            session limit), or ``extra_seconds`` out of [0, 600].
     """
     from ..runtime.audio_io import AudioInputError, read_audio
 
@@ -99,6 +100,13 @@ def load_input(path: str, extra_seconds: float) -> np.ndarray:
     except AudioInputError as error:
         raise UsageError(str(error)) from None
     padding = round(extra_seconds * INPUT_SAMPLE_RATE)
+    frames_sent = -(-(samples.shape[0] + padding) // FRAME_SAMPLES)  # the last one padded
+    if frames_sent * FRAME_SAMPLES > MAX_INPUT_SECONDS * INPUT_SAMPLE_RATE:
+        raise UsageError(
+            f"the input ({samples.shape[0] / INPUT_SAMPLE_RATE:.2f} s) plus --extra-seconds {extra_seconds:g} "
+            f"makes {frames_sent * FRAME_SAMPLES / INPUT_SAMPLE_RATE:.2f} s of audio in 80 ms frames; a session "
+            f"holds at most {MAX_INPUT_SECONDS:g} s: shorten the input or lower --extra-seconds"
+        )
     if padding:
         samples = np.concatenate([samples, np.zeros(padding, dtype=np.float32)])
     return samples
@@ -163,6 +171,7 @@ async def run_file_turn(
 
 def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-file-client") -> int:
     """Run the client; returns the exit status (see :mod:`.errors`)."""
+    from ..api_key import header_safe
     from ..runtime.audio_io import AudioInputError, check_wav_output_path, write_wav_pcm16
     from .display import LivePrinter, summary_lines
     from .protocol import check_prompt, check_seed
@@ -177,6 +186,9 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-file-clien
         if not (math.isfinite(args.receive_timeout) and args.receive_timeout > 0):
             raise UsageError(f"--receive-timeout must be a positive number of seconds, got {args.receive_timeout:g}")
         url = normalize_url(args.url)
+        if args.origin is not None and (not args.origin or not header_safe(args.origin)):
+            raise UsageError("--origin must be printable ASCII without surrounding spaces (an HTTP header value), "
+                             "e.g. http://localhost:8080")
         try:
             output = check_wav_output_path(args.output, inputs=[args.input])
         except AudioInputError as error:
@@ -196,7 +208,10 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-file-clien
             )
         )
         printer.finish()
+        replaced = os.path.lexists(output)
         write_wav_pcm16(output, pcm16_to_float(state.audio_pcm16()), OUTPUT_SAMPLE_RATE)
+        if replaced:
+            print(f"note: replaced the existing {output}", file=sys.stderr)
     except ClientError as error:
         printer.finish()
         print(error.one_line(), file=sys.stderr)

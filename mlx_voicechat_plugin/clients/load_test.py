@@ -266,20 +266,72 @@ def _metrics_url(url: str) -> str:
     return urlunsplit(("https" if parts.scheme == "wss" else "http", parts.netloc, path, "", ""))
 
 
-def scrape(url: str, timeout: float = 10.0) -> dict[str, float]:
-    """The server's ``/metrics`` samples (name with labels -> value), within ``timeout`` s."""
+def _fetch_metrics(address: str, timeout: float) -> str:
+    """GET ``address`` (no proxy), its body as text; any failure an :class:`OSError` with a
+    one-line reason (never ``TimeoutError``: a socket timeout here is the scrape's, not
+    the run's ``--timeout``)."""
+    import http.client
+
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    address = _metrics_url(url)
     try:
-        with opener.open(address, timeout=max(0.1, timeout)) as response:
-            text = response.read().decode()
+        with opener.open(address, timeout=timeout) as response:
+            return response.read(_METRICS_MAX_BYTES).decode("utf-8", "replace")
     except urllib.error.URLError as error:  # HTTPError too
-        raise OSError(f"GET {address}: {getattr(error, 'reason', None) or error}") from None
+        reason = getattr(error, "reason", None) or error
+    except TimeoutError:
+        reason = "timed out"
+    except (OSError, http.client.HTTPException, ValueError) as error:  # not an HTTP server
+        reason = f"{type(error).__name__}: {error}"
+    raise OSError(f"GET {address}: {ascii(' '.join(str(reason).split()))[1:-1][:200]}")
+
+
+#: Longest /metrics body read (the server's is a few KiB).
+_METRICS_MAX_BYTES = 4 << 20
+
+
+async def scrape(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """The server's ``/metrics`` samples (name with labels -> value), within ``timeout`` s
+    in all: the request runs on a daemon thread, so a server that answers slowly (one byte
+    at a time) holds neither the event loop nor the process.
+
+    Raises:
+        OSError: no complete answer within ``timeout`` s, or not an HTTP answer (one line).
+    """
+    import threading
+
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+    address = _metrics_url(url)
+
+    def settle(outcome: tuple) -> None:
+        if not done.done():
+            done.set_result(outcome)
+
+    def fetch() -> None:
+        try:
+            outcome = (True, _fetch_metrics(address, max(0.1, timeout)))
+        except OSError as error:
+            outcome = (False, error)
+        try:
+            loop.call_soon_threadsafe(settle, outcome)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits
+            pass
+
+    threading.Thread(target=fetch, name="metrics-scrape", daemon=True).start()
+    try:
+        ok, value = await asyncio.wait_for(done, max(0.1, timeout))
+    except asyncio.TimeoutError:
+        raise OSError(f"GET {address}: no complete answer within {timeout:.3g} s") from None
+    if not ok:
+        raise value
     samples = {}
-    for line in text.splitlines():
+    for line in value.splitlines():
         match = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
         if match:
-            samples[match.group(1)] = float(match.group(2))
+            try:
+                samples[match.group(1)] = float(match.group(2))
+            except ValueError:
+                continue
     return samples
 
 
@@ -339,7 +391,15 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
                 solo.append(await asyncio.wait_for(run_caller(url, i, samples, None, left(), api_key=api_key), left()))
             except asyncio.TimeoutError:
                 raise SoloRunsTimeout(len(solo), callers) from None
-    before = scrape(url, min(10.0, left()))
+    async def metrics(limit: float) -> dict[str, float]:
+        try:
+            return await scrape(url, limit)
+        except OSError:
+            if time.monotonic() >= deadline:  # the run's --timeout, not the scrape's
+                raise asyncio.TimeoutError() from None
+            raise
+
+    before = await metrics(min(10.0, left()))
     began = time.monotonic() + 0.2
     runner = run_openai_caller if dialect == "openai" else run_caller
     results = [CallerResult(i) for i in range(callers)]
@@ -353,11 +413,11 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
     await asyncio.gather(*unfinished, return_exceptions=True)
     if unfinished:
         try:  # the server's figures, if it answers at once
-            after = scrape(url, 2.0)
+            after = await scrape(url, 2.0)
         except OSError:
             after = before
     else:
-        after = scrape(url, min(10.0, left()))
+        after = await metrics(min(10.0, left()))
     solo_errors = []
     for result, alone in zip(results, solo):
         if alone.error is not None or not alone.admitted:  # the server was not free for it
@@ -466,6 +526,13 @@ def _json_path_problem(path: str) -> str | None:
         return f"--json {path!r}: the directory {str(parent)!r} does not exist"
     if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         return f"--json {path!r} is not writable"
+    import tempfile
+
+    try:  # prove the directory takes a new file (root ignores permission bits; /proc, /sys)
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".loadtest-", suffix=".tmp"):
+            pass
+    except OSError as error:
+        return f"--json {path!r}: cannot write there ({error.strerror or error})"
     return None
 
 

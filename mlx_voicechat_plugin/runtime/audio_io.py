@@ -1,7 +1,8 @@
 """Reading user audio and writing answers (soundfile + soxr).
 
 Input: anything libsndfile reads -- WAV (PCM 8/16/24/32-bit, float32/64,
-WAVE_FORMAT_EXTENSIBLE), FLAC, OGG/Vorbis, AIFF -- any channel count and sample rate; it is
+WAVE_FORMAT_EXTENSIBLE), FLAC, OGG/Vorbis/Opus, MP3, AIFF, AU (as the installed libsndfile
+supports them) -- any channel count and sample rate; it is
 downmixed (channel mean) and resampled (soxr, high quality) to 16 kHz mono float32.
 Output: 22050 Hz mono PCM16 WAV, scaled by 32768 and clamped (spec "CLI"), written
 atomically so a failure never leaves a partial file.
@@ -79,8 +80,13 @@ def read_audio(path: str | Path, sample_rate: int = 16_000, *, max_seconds: floa
     if not source.is_file():  # a FIFO, socket or device: reading it could block forever
         raise AudioInputError(f"{source}: not a regular file (a FIFO, socket or device), not an audio file")
 
+    if not os.access(source, os.R_OK):
+        raise AudioInputError(f"{source}: permission denied (not readable by this user)")
+
     def unreadable(error) -> AudioInputError:
-        return AudioInputError(f"{source}: not a readable audio file (WAV, FLAC, OGG, AIFF): {error}")
+        return AudioInputError(
+            f"{source}: not a readable audio file (a format libsndfile reads: WAV, FLAC, OGG, MP3, AIFF, ...): {error}"
+        )
 
     def too_long(seconds: float, claimed: bool) -> AudioInputError:
         what = "its header says it is" if claimed else "it is at least"
@@ -114,7 +120,13 @@ def read_audio(path: str | Path, sample_rate: int = 16_000, *, max_seconds: floa
     if total == 0:
         raise AudioInputError(f"{source}: the file contains no audio samples")
     mono = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-    return resample(np.ascontiguousarray(mono, dtype=np.float32), rate, sample_rate)
+    resampled = resample(np.ascontiguousarray(mono, dtype=np.float32), rate, sample_rate)
+    if resampled.shape[0] == 0:  # e.g. 34,500 samples claimed at 2**31 Hz: no 16 kHz sample
+        raise AudioInputError(
+            f"{source}: {total} samples at {rate} Hz are {_format_seconds(total / rate)} of audio, "
+            f"not one sample at {sample_rate} Hz"
+        )
+    return resampled
 
 
 def to_pcm16(samples: np.ndarray, scale: float = 32768.0) -> np.ndarray:
