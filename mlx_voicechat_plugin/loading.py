@@ -16,8 +16,8 @@ def resolve_checkpoint(model: str | Path) -> Path:
     """Return the local directory of ``model`` (a path or an already-downloaded hub id).
 
     Raises:
-        CheckpointError: nothing usable is there (an empty name included), or it is
-            another model type.
+        CheckpointError: nothing usable is there (an empty name included), it is another
+            model type, or a weights file is not readable by this user.
     """
     if not str(model).strip():
         raise CheckpointError("--model is empty: give the checkpoint directory (the one holding config.json)")
@@ -49,6 +49,11 @@ def resolve_checkpoint(model: str | Path) -> Path:
     if model_type != MODEL_TYPE:
         shown = "missing" if "model_type" not in parsed else f"{given!r}"[:80]
         raise CheckpointError(f"{model}: model_type is {shown}, not {MODEL_TYPE!r}")
+    import os
+
+    for weights in sorted(config.parent.glob("*.safetensors")):
+        if not os.access(weights, os.R_OK):
+            raise CheckpointError(f"{weights}: permission denied (the weights are not readable by this user)")
     return config.parent
 
 

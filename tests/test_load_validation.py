@@ -135,6 +135,25 @@ def test_load_rejects_directory_without_config_as_checkpoint_error(tmp_path):
         load(tmp_path)
 
 
+def test_weights_this_user_cannot_read_are_named_before_loading(checkpoint, monkeypatch):
+    """Simulated (root reads any file): the message names the file and the reason, not
+    the safetensors reader's "Failed to open file"."""
+    from mlx_voicechat_plugin.loading import resolve_checkpoint
+
+    directory = checkpoint("tiny")
+    weights = sorted(directory.glob("*.safetensors"))[0]
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == weights else real(p, mode))
+    with pytest.raises(CheckpointError, match="permission denied") as raised:
+        resolve_checkpoint(directory)
+    assert str(weights) in str(raised.value)
+
+
+def test_load_rejects_an_empty_model_name():
+    with pytest.raises(CheckpointError, match="--model is empty"):
+        load("")
+
+
 def test_load_rejects_a_file_given_as_the_checkpoint(checkpoint):
     """``--model CKPT/config.json``: the message says --model takes the directory."""
     config = checkpoint("tiny") / "config.json"
