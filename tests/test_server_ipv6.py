@@ -41,15 +41,9 @@ def test_loopback_host_names_are_accepted(v6, host):
     assert http("GET", v6.http_url("/health"), headers={"Host": host})[0] == 200
 
 
-@pytest.mark.parametrize("host", ["[::1]evil.example", "[evil.example]", "[127.0.0.1]:80"])
-def test_malformed_host_is_403(v6, host):
+@pytest.mark.parametrize("host", ["evil.example", "[::1]evil.example", "[evil.example]", "[127.0.0.1]:80"])
+def test_foreign_host_is_403(v6, host):
     status, body = http("GET", v6.http_url("/health"), headers={"Host": host})
-    assert status == 403, body
-
-
-def test_foreign_host_is_403_to_a_browser(v6):
-    headers = {"Host": "evil.example", "Sec-Fetch-Mode": "navigate"}
-    status, body = http("GET", v6.http_url("/health"), headers=headers)
     assert status == 403, body
 
 

@@ -260,23 +260,29 @@ def test_origin_match_is_case_insensitive_and_needs_an_allowed_host():
     assert origin_allowed("http://attacker.test:8080", "attacker.test:8080", (), ("attacker.test",))
 
 
-def test_host_guard_applies_to_browser_requests_and_malformed_hosts():
+def test_host_guard_covers_reads_browsers_and_malformed_hosts():
     from mlx_voicechat_plugin.server.security import host_refused
 
     browser = {"sec-fetch-site": "same-origin"}
-    assert host_refused("attacker.test:8080", browser) and host_refused("attacker.test", {"origin": "x"})
-    assert not host_refused("attacker.test:8080", {})  # a non-browser client: any name
-    assert not host_refused("127.0.0.1:8080", browser) and not host_refused(None, browser)
-    assert not host_refused("voice.example", browser, ("voice.example",))
+    # an upgrade (method None) or a POST: refused only from a browser
+    assert host_refused("attacker.test:8080", browser) and host_refused("attacker.test", {"origin": "x"}, method="POST")
+    assert not host_refused("attacker.test:8080", {}) and not host_refused("attacker.test", {}, method="POST")
+    # GET / HEAD: browsers read them without Origin (or Fetch Metadata over plain HTTP)
+    assert host_refused("attacker.test", {}, method="GET") and host_refused("attacker.test", {}, method="head")
+    assert not host_refused("127.0.0.1:8080", browser, method="GET") and not host_refused(None, browser)
+    assert not host_refused("voice.example", browser, ("voice.example",), method="GET")
     for malformed in ("[::1]evil.test", "localhost:99999", ""):
-        assert host_refused(malformed, {}), malformed
+        assert host_refused(malformed, {}) and host_refused(malformed, {}, method="POST"), malformed
 
 
 def test_rebinding_hosts_are_refused_on_http_and_websocket(server):
     port = server.port
-    for browser in ({"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors"}, {"Origin": f"http://attacker.test:{port}"}):
+    for browser in ({}, {"Sec-Fetch-Site": "same-origin"}, {"Origin": f"http://attacker.test:{port}"}):
         status, body = http("GET", server.http_url("/health"), headers={"Host": f"attacker.test:{port}", **browser})
         assert status == 403 and "allowed-hosts" in body["error"]["message"], browser
+    status, _ = http("POST", server.http_url("/v1/chat/completions"),
+                     headers={"Host": f"attacker.test:{port}", "Origin": f"http://attacker.test:{port}"})
+    assert status == 403
     raw = RawClient(
         "127.0.0.1",
         port,
@@ -290,10 +296,9 @@ def test_rebinding_hosts_are_refused_on_http_and_websocket(server):
 
 def test_a_client_without_origin_is_accepted_under_any_host_name(server):
     """Spec "Realtime WebSocket": a client that sends no Origin (a non-browser client) is
-    accepted: a name the machine is known by needs no --allowed-hosts."""
+    accepted, and the chat routes answer 501: a name the machine is known by needs no
+    --allowed-hosts for them (GET routes still do: browsers read those without Origin)."""
     port = server.port
-    status, body = http("GET", server.http_url("/health"), headers={"Host": f"my-server.lan:{port}"})
-    assert status == 200, body
     status, body = http("POST", server.http_url("/v1/chat/completions"), headers={"Host": f"my-server.lan:{port}"})
     assert status == 501 and "/v1/realtime" in json.dumps(body)
     raw = RawClient("127.0.0.1", port, server.settings.path("/v1/realtime"), headers={"Host": f"my-server.lan:{port}"})

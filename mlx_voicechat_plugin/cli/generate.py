@@ -28,6 +28,7 @@ from .output import droppable, labelled
 #: the same cap, this only reports it with the flag's spelling before any work is done).
 MAX_EXTRA_DECODING_SECONDS = 600.0
 
+
 class _Once(argparse.Action):
     """Store an option's value, refusing a second occurrence (argparse keeps the last one
     silently: ``--audio a.wav --audio b.wav`` would answer ``b.wav`` alone)."""

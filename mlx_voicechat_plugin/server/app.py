@@ -15,9 +15,10 @@ Routes (all under ``--api-prefix``):
   501 Not Implemented naming ``/v1/realtime`` (this checkpoint has no text chat surface).
 
 ``/health``, ``/ready`` and ``/voicechat`` also answer HEAD, with ``Cache-Control: no-store``
-(a probe or a page must never be answered from a cache). Every request a browser makes
-must name an allowed ``Host`` (:class:`.security.HostGuardMiddleware`, a DNS rebinding
-guard); others get 403. Non-browser clients may use any well-formed name.
+(a probe or a page must never be answered from a cache). Every ``GET`` / ``HEAD`` and
+every browser's request must name an allowed ``Host`` (:class:`.security.HostGuardMiddleware`,
+a DNS rebinding guard); others get 403. A non-browser client's WebSocket upgrade (no
+``Origin``) may use any well-formed name.
 
 No chat worker, batch scheduler or text warm-up exists here, and no route loads another
 model: the server serves exactly the checkpoint it was started with.

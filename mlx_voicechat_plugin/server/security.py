@@ -5,17 +5,18 @@
   ``mlx-voicechat.bearer.<base64url(key)>`` next to ``mlx-voicechat``; the server answers
   with ``mlx-voicechat`` and never echoes the key. (A query parameter would leak the key into
   logs and browser history, so none is accepted.) Keys are compared in constant time.
-* Host (DNS-rebinding guard, on every request a browser makes): the ``Host`` header of a
-  request carrying ``Origin`` or a Fetch Metadata header (``Sec-Fetch-*``) must name an IP
-  address, ``localhost`` / ``*.localhost``, or a host in ``--allowed-hosts`` (``*`` allows
-  any); others get 403. A rebinding page reaches the server under its own name
-  (``Host: attacker.test``), so it is refused however its DNS answers (the rule of Vite's
-  and webpack-dev-server's ``allowedHosts``). Browsers send ``Origin`` on every WebSocket
-  upgrade and Fetch Metadata on every request (older browsers: ``Origin`` on all but
-  same-origin GET/HEAD). A request with neither, a non-browser client, is accepted under
-  any well-formed name (spec "Realtime WebSocket": "a client that sends no Origin (a
-  non-browser client) is accepted"), so ``ws://my-server.lan:8080/v1/realtime`` works as
-  typed; a malformed ``Host`` is refused from anyone.
+* Host (DNS-rebinding guard): a rebinding page reaches the server under its own name
+  (``Host: attacker.test``), so the guard refuses such names however their DNS answers (the
+  rule of Vite's and webpack-dev-server's ``allowedHosts``): the ``Host`` header must name
+  an IP address, ``localhost`` / ``*.localhost``, or a host in ``--allowed-hosts`` (``*``
+  allows any), else 403, on every ``GET`` / ``HEAD`` request (browsers read those without
+  sending ``Origin``, and over plain HTTP without Fetch Metadata either) and on every
+  WebSocket upgrade or other request that carries ``Origin`` or a ``Sec-Fetch-*`` header
+  (every browser sends ``Origin`` on those). A WebSocket upgrade or ``POST`` with neither,
+  a non-browser client, is accepted under any well-formed name (spec "Realtime WebSocket":
+  "a client that sends no Origin (a non-browser client) is accepted"; the chat routes
+  answer 501), so ``ws://my-server.lan:8080/v1/realtime`` works as typed. A malformed
+  ``Host`` is refused from anyone.
 * Origin: a request without an ``Origin`` header (a non-browser client) is accepted; a
   browser origin is accepted when it is the server's own origin (the bundled page: the
   Origin's host and port equal an *allowed* ``Host``) or is listed in ``--cors-origins`` /
@@ -99,12 +100,20 @@ def from_browser(headers) -> bool:
     return any(name in headers for name in BROWSER_HEADERS)
 
 
-def host_refused(host: str | None, headers, allowed_hosts: tuple[str, ...] = ()) -> bool:
+#: HTTP methods browsers send without ``Origin`` (same-origin reads, navigations).
+READ_METHODS = frozenset({"GET", "HEAD"})
+
+
+def host_refused(host: str | None, headers, allowed_hosts: tuple[str, ...] = (), method: str | None = None) -> bool:
     """The Host guard (module docstring): True when ``host`` is malformed, or names a host
-    :func:`host_allowed` refuses on a request :func:`from_browser`."""
+    :func:`host_allowed` refuses on a request a browser may have sent: any HTTP ``GET`` /
+    ``HEAD`` (``method``), or one :func:`from_browser`. ``method``: the HTTP method, None
+    for a WebSocket upgrade."""
     if host is not None and not host_name(host):
         return True
-    return from_browser(headers) and not host_allowed(host, allowed_hosts)
+    if host_allowed(host, allowed_hosts):
+        return False
+    return (method is not None and method.upper() in READ_METHODS) or from_browser(headers)
 
 
 def _normal_origin(origin: str) -> str:
@@ -195,7 +204,8 @@ class HostGuardMiddleware:
 
             headers = Headers(scope=scope)
             host = headers.get("host")
-            if host_refused(host, headers, self.allowed_hosts):
+            method = scope.get("method", "GET") if scope["type"] == "http" else None
+            if host_refused(host, headers, self.allowed_hosts, method):
                 message = (
                     f"Host {(host_name(host or '') or host or '')[:100]!r} is not allowed (DNS rebinding guard); "
                     "start the server with --allowed-hosts NAME to serve it under that name"

@@ -48,10 +48,11 @@ class ServerSettings:
             the limits above (configurable so tests need not wait minutes).
         demo_checkpoint: the served checkpoint is a random-weight demo checkpoint (the
             banner and the browser page say so).
-        allowed_hosts: host names accepted in the ``Host`` header of a browser's request
-            (DNS rebinding guard, :func:`.security.host_refused`) besides IP addresses,
-            ``localhost`` and ``*.localhost``, which are always accepted; ``*`` accepts any.
-            Non-browser clients may use any well-formed name.
+        allowed_hosts: host names accepted in the ``Host`` header of ``GET`` / ``HEAD``
+            requests and browsers' requests (DNS rebinding guard,
+            :func:`.security.host_refused`) besides IP addresses, ``localhost`` and
+            ``*.localhost``, which are always accepted; ``*`` accepts any. A non-browser
+            client's upgrade may use any well-formed name.
         send_timeout, max_queued_messages, header_timeout, max_connections: the limits
             above (:data:`SEND_TIMEOUT` ...).
     """
