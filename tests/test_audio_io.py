@@ -148,6 +148,22 @@ def test_read_audio_rejects_bad_input(tmp_path, case):
     assert "\n" not in message
 
 
+def test_read_audio_says_permission_denied_for_a_directory_it_cannot_enter(tmp_path, monkeypatch):
+    """Simulated: ``stat`` of a file under a directory without search permission fails with
+    EACCES, which ``Path.exists`` does not swallow."""
+    path = tmp_path / "locked" / "q.wav"
+    real = Path.exists
+
+    def exists(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "exists", exists)
+    with pytest.raises(AudioInputError, match="permission denied"):
+        read_audio(path)
+
+
 def test_read_audio_says_permission_denied(tmp_path, monkeypatch):
     """A file this user may not read (simulated: root reads any file) is named as such, not
     as "not a readable audio file"."""

@@ -200,3 +200,13 @@ def test_a_metrics_scrape_that_times_out_is_not_called_the_runs_timeout(silent_l
     line = _one_line_error(capsys.readouterr().err)
     assert status == 1 and "no complete answer within 10 s" in line and "--timeout 60" not in line, line
     assert elapsed < 20, elapsed
+
+
+def test_non_finite_metrics_values_are_skipped_not_a_traceback(capsys):
+    """NaN and +Inf are legal in Prometheus' text format; they count nothing."""
+    body = b"voicechat_tick_seconds_count NaN\nvoicechat_tick_seconds_sum +Inf\n"
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+    with _Responder([answer]) as responder:
+        status = main([responder.url, "--callers", "1", "--seconds", "1", "--timeout", "20", "--no-compare"])
+    captured = capsys.readouterr()
+    assert status == 1 and "Traceback" not in captured.err, captured.err  # the callers found no WebSocket

@@ -167,12 +167,13 @@ def test_serve_refuses_bad_settings_with_one_line_and_exit_2(tiny, option, value
     "host",
     ["[::1]evil.test", "[::1]:80evil.test", "[::1]@evil.test", "[127.0.0.1]", "[localhost]", "[::1",
      "localhost:80x", "127.0.0.1:80:90x", "127.0.0.1 evil.test", "localhost:8080/evil.test", "localhost:99999",
-     "127.0.0.1:000080000", "[::1]:65536"],
+     "127.0.0.1:000080000", "[::1]:65536", "a:b:c", "ex ample", "evil/x", "1:2:3:4:5:6:7:8:9"],
 )
 def test_malformed_host_headers_are_refused(host):
-    from mlx_voicechat_plugin.server.security import host_allowed
+    from mlx_voicechat_plugin.server.security import host_allowed, host_refused
 
     assert not host_allowed(host), host
+    assert host_refused(host, {}), host  # also on a non-browser upgrade, which may use any name
 
 
 @pytest.mark.parametrize("host", ["[::1]", "[::1]:8080", "[::1]:", "127.0.0.1:8080", "LocalHost.:1", "app.localhost"])

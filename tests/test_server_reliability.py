@@ -305,6 +305,10 @@ def test_a_client_without_origin_is_accepted_under_any_host_name(server):
     assert raw.status == 101
     raw.reset()
     server.wait_slot_free()
+    for malformed in ("a:b:c", "ex ample", "evil/x"):  # not a name at all: refused from anyone
+        raw = RawClient("127.0.0.1", port, server.settings.path("/v1/realtime"), headers={"Host": malformed})
+        assert raw.status == 403, malformed
+        raw.sock.close()
 
 
 def test_allowed_hosts_setting_admits_a_named_host(tiny, engine):

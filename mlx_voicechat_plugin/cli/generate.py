@@ -130,7 +130,7 @@ def _check_arguments(args) -> list[str]:
         raise UsageError("--seed must be an integer in [0, 2**64)")
     limit = args.max_streaming_seconds
     if limit is not None and (not math.isfinite(limit) or limit <= 0):
-        raise UsageError(f"--max-streaming-seconds must be a positive number of seconds, got {limit:g}")
+        raise UsageError(f"--max-streaming-seconds must be a positive, finite number of seconds, got {limit:g}")
     if limit is not None and limit < 0.08:
         raise UsageError("--max-streaming-seconds must allow at least one 80 ms frame (>= 0.08)")
     return notes

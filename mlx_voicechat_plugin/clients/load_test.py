@@ -329,9 +329,11 @@ async def scrape(url: str, timeout: float = 10.0) -> dict[str, float]:
         match = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
         if match:
             try:
-                samples[match.group(1)] = float(match.group(2))
+                value = float(match.group(2))
             except ValueError:
                 continue
+            if math.isfinite(value):  # NaN / +Inf are legal exposition values, no counts
+                samples[match.group(1)] = value
     return samples
 
 

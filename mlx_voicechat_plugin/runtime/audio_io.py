@@ -71,17 +71,21 @@ def read_audio(path: str | Path, sample_rate: int = 16_000, *, max_seconds: floa
     import soundfile
 
     source = Path(path)
-    if not source.exists():
+    denied = AudioInputError(f"{source}: permission denied (not readable by this user)")
+    try:
+        exists, is_dir, is_file = source.exists(), source.is_dir(), source.is_file()
+    except PermissionError:  # a directory on the way this user may not enter
+        raise denied from None
+    if not exists:
         if "://" in str(path):  # Path() would show "https:/host/q.wav"
             raise AudioInputError(f"{path}: no such file (a URL? give a local audio file; download it first)")
         raise AudioInputError(f"{source}: no such file")
-    if source.is_dir():
+    if is_dir:
         raise AudioInputError(f"{source}: is a directory, not an audio file")
-    if not source.is_file():  # a FIFO, socket or device: reading it could block forever
+    if not is_file:  # a FIFO, socket or device: reading it could block forever
         raise AudioInputError(f"{source}: not a regular file (a FIFO, socket or device), not an audio file")
-
     if not os.access(source, os.R_OK):
-        raise AudioInputError(f"{source}: permission denied (not readable by this user)")
+        raise denied
 
     def unreadable(error) -> AudioInputError:
         return AudioInputError(

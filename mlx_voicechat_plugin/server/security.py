@@ -41,9 +41,10 @@ def host_name(host: str) -> str:
     (``"[::1]:8080"`` -> ``"::1"``, ``"Example.test.:80"`` -> ``"example.test"``).
 
     Parsed strictly: only ``:`` and a port (0-65535) may follow the name (or the ``]`` of a
-    bracketed IPv6 literal), and brackets hold an IPv6 address; anything else (e.g.
-    ``"[::1]evil.test"``, ``"localhost:99999"``) gives ``""``, which :func:`host_allowed`
-    refuses.
+    bracketed IPv6 literal), brackets (or two colons) hold an IPv6 address, and a name is
+    letters, digits, ``-``, ``_`` and ``.``; anything else (e.g. ``"[::1]evil.test"``,
+    ``"localhost:99999"``, ``"a:b:c"``, ``"evil/x"``) gives ``""``, which
+    :func:`host_refused` refuses from anyone.
     """
     import re
 
@@ -59,10 +60,17 @@ def host_name(host: str) -> str:
         except ValueError:
             return ""
     elif host.count(":") > 1:  # an unbracketed IPv6 literal: no port to split off
+        try:
+            if ipaddress.ip_address(host).version != 6:
+                return ""
+        except ValueError:
+            return ""  # ``a:b:c`` is no address
         name, rest = host, ""
     else:
         name, colon, port = host.partition(":")
         rest = colon + port
+        if not re.fullmatch(r"[a-z0-9_.-]+", name):
+            return ""  # a DNS name or an IPv4 address: ``ex ample``, ``evil/x`` are neither
     if rest and (not re.fullmatch(r":[0-9]{0,5}", rest) or (rest[1:] and int(rest[1:]) > 65535)):
         return ""  # a port that no TCP connection can have (``localhost:99999``)
     return name.rstrip(".")

@@ -114,7 +114,7 @@ class SessionState:
     def limit_message(self) -> str:
         """The :class:`~.errors.ContextLimitError` message for this session."""
         return (
-            f"the stream reached max_streaming_seconds={self.options.max_streaming_seconds:g} "
+            f"the stream reached max_streaming_seconds={self.options.max_streaming_seconds:.12g} "
             f"({self.max_frames} frame{'' if self.max_frames == 1 else 's'} of 80 ms)"
         )
 
