@@ -278,6 +278,18 @@ def test_bad_appends_are_inference_errors_and_the_loop_continues(server, audio, 
     assert [e["frame_index"] for e in events if e["type"] == "response.audio.delta"] == [0, 1]
 
 
+def test_an_integral_float_sample_rate_is_accepted(server, audio):
+    """``16000.0`` is the integer 16000 as a client serialising a float writes it."""
+    with server.connect() as client:
+        client.configure()
+        message = append(audio)
+        message["sample_rate"] = 16000.0
+        client.send(message)
+        client.send({"type": "input_audio_buffer.commit"})
+        events, code = client.until_closed()
+    assert [e["frame_index"] for e in events if e["type"] == "response.audio.delta"] == [0, 1] and code == 1000
+
+
 def test_missing_audio_field_is_an_inference_error(server, audio):
     with server.connect() as client:
         client.configure()

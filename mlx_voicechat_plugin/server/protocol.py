@@ -158,6 +158,8 @@ def parse_append(message: dict) -> np.ndarray:
             count, or ``sample_rate`` is not the integer 16000.
     """
     rate = message.get("sample_rate", 16000)
+    if isinstance(rate, float) and rate.is_integer():
+        rate = int(rate)  # ``16000.0``: an integer written as a float (the reference takes it too)
     if not _is_integer(rate):
         raise ProtocolError(INFERENCE_ERROR, f"sample_rate must be an integer, got {json.dumps(rate)[:40]}")
     if rate != 16000:
