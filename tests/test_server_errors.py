@@ -183,7 +183,10 @@ def test_invalid_session_fields_fail_initialization_and_allow_a_retry(server, au
         '{"type":"session.update","session":{"seed":NaN}}',
         '{"type":"session.update","session":{"seed":Infinity}}',
         '{"type":"session.update","session":{"seed":1e400}}',
+        '{"type":"session.update","session":{"seed":%s}}' % ("9" * 5000),
+        '{"type":"session.update","session":{"max_streaming_seconds":-%s}}' % ("9" * 5000),
     ],
+    ids=lambda raw: raw[len('{"type":"session.update","session":{'):][:40],
 )
 def test_non_finite_json_literals_fail_initialization_cleanly(server, audio, raw):
     with server.connect() as client:
@@ -200,10 +203,11 @@ def test_non_finite_json_literals_fail_initialization_cleanly(server, audio, raw
     "raw",
     [
         json.dumps(update(max_streaming_seconds=10**400)),
+        '{"type":"session.update","session":{"max_streaming_seconds":%s}}' % ("9" * 5000),  # past int()'s limit
         '{"type":"session.update","session":{"max_streaming_seconds":1e999}}',
         '{"type":"session.update","session":{"max_streaming_seconds":Infinity}}',
     ],
-    ids=["huge-integer", "1e999", "Infinity"],
+    ids=["huge-integer", "5000-digit-integer", "1e999", "Infinity"],
 )
 def test_max_streaming_seconds_larger_than_any_float_is_clamped(server, audio, raw):
     with server.connect() as client:

@@ -64,6 +64,17 @@ def error_event(code: str, message: str) -> dict:
     return {"type": "error", "error": {"code": code, "message": message}}
 
 
+def _json_integer(digits: str) -> int | float:
+    """A JSON integer: Python's ``int`` up to its conversion limit (4,300 digits by
+    default), beyond it a signed infinity (``float``), which every field either refuses as
+    no integer or, for ``max_streaming_seconds``, clamps as any larger value; the message
+    is still a JSON object, not "invalid JSON"."""
+    try:
+        return int(digits)
+    except ValueError:
+        return -math.inf if digits.startswith("-") else math.inf
+
+
 def parse_message(text: str) -> dict:
     """Decode one text frame into a message object with a string ``type``.
 
@@ -71,7 +82,7 @@ def parse_message(text: str) -> dict:
         ProtocolError(invalid_request): not JSON, not an object, or no string ``type``.
     """
     try:
-        message = json.loads(text)
+        message = json.loads(text, parse_int=_json_integer)
     except (ValueError, RecursionError):
         raise ProtocolError(INVALID_REQUEST, "message must be a JSON object") from None
     if not isinstance(message, dict):
