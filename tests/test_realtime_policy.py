@@ -9,7 +9,7 @@ import pytest
 
 from mlx_voicechat_plugin.server.lag_clock import LagClock
 from mlx_voicechat_plugin.server.tick_budget import TickBudget
-from mlx_voicechat_plugin.server.tick_gather import LIVE_SECONDS, TickGather
+from mlx_voicechat_plugin.server.tick_gather import CATCH_UP_GRACE, LIVE_SECONDS, TickGather
 
 
 class Clock:
@@ -139,6 +139,31 @@ def test_gather_counts_the_window_from_when_the_waiting_frame_was_due():
     assert lag.oldest_due == pytest.approx(clock.now - 0.2)
     lag.answered()
     assert lag.oldest_due == pytest.approx(clock.now - 0.12)  # one frame after the first
+
+
+def test_behind_real_time_a_tick_waits_briefly_for_the_sessions_the_last_one_answered():
+    """Sessions behind real time push their queued frames right after their answers: the
+    first of them must not tick alone (split ticks cost more than the frame clock)."""
+    clock = Clock()
+    gather = TickGather(0.08, clock=clock)
+    for session in "abc":
+        gather.pushed(session)
+    gather.ticked()
+    clock.now += 0.07  # the tick ran 70 ms
+    gather.answered(["a", "b"])  # c was not in it
+    clock.now += 0.002
+    gather.pushed("a")  # a's next frame, due 100 ms ago: the window has long passed
+    late = clock.now - 0.1
+    assert gather.wait_seconds({"a"}, ["a", "b", "c"], oldest_due=late) == pytest.approx(CATCH_UP_GRACE - 0.002)
+    gather.pushed("b")  # only c, not answered by the last tick, is missing: no grace for it
+    assert gather.wait_seconds({"a", "b"}, ["a", "b", "c"], oldest_due=late) == 0.0
+    clock.now += CATCH_UP_GRACE  # the grace is short: b never came, a ticks
+    assert gather.wait_seconds({"a"}, ["a", "b", "c"], oldest_due=late) == 0.0
+    # on time (the window has not passed), the window rules as before
+    gather.ticked()
+    gather.answered(["a"])
+    gather.pushed("a")
+    assert gather.wait_seconds({"a"}, ["a", "b", "c"], oldest_due=clock.now) == pytest.approx(0.08)
 
 
 def test_a_prompt_only_tick_runs_only_where_it_ends_before_the_next_frames():

@@ -377,7 +377,7 @@ class RealtimeEngine:
             if self._waiting and self._gather_hold() <= 0:
                 self._gather.ticked()
                 try:
-                    self._tick()
+                    self._gather.answered(self._tick())
                 except Exception as error:  # noqa: BLE001 - the engine thread must survive
                     logger.exception("realtime tick bookkeeping failed")
                     for session_id in list(self._waiting):
@@ -394,7 +394,8 @@ class RealtimeEngine:
         if reply is not None:
             _resolve(command.future, reply)
 
-    def _tick(self) -> None:
+    def _tick(self) -> list[str]:
+        """Run one batched tick and answer the sessions it advanced; returns their ids."""
         batch = self._batch
         before = batch.frames_processed
         try:
@@ -405,7 +406,7 @@ class RealtimeEngine:
                 batch.close(session_id)
                 future, events = self._waiting.pop(session_id)
                 _resolve(future, _error_reply(events, error))
-            return
+            return []
         frames = batch.frames_processed - before
         if frames:
             self.metrics.observe_tick(batch.last_tick_seconds, frames)
@@ -445,6 +446,7 @@ class RealtimeEngine:
             _resolve(future, Reply(events=events, error=ProtocolError(INFERENCE_ERROR, "the session was closed")))
         if not len(batch):
             self._clear_cache()
+        return list(results)
 
     def _gather_hold(self) -> float:
         """Seconds the next tick waits for the other live sessions (:mod:`.tick_gather`),
