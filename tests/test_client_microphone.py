@@ -292,3 +292,13 @@ def test_missing_sounddevice_is_a_clear_message(monkeypatch, tmp_path, capsys):
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(AudioDeviceError, match="PortAudio library not found.*libportaudio2"):
         import_sounddevice()
+
+
+@pytest.mark.parametrize("origin", ["a\r\nX-Injected: y", ""])
+def test_an_origin_that_is_no_header_value_is_a_usage_error(origin, capsys):
+    """The file client's rule: refused before any device opens or any connection."""
+    fake = FakeSoundDevice()
+    status = microphone.main(["ws://127.0.0.1:9/v1/realtime", "--origin", origin], backend=SoundDeviceBackend(fake))
+    err = capsys.readouterr().err
+    assert status == 2 and "--origin" in err and "Traceback" not in err, err
+    assert not fake.streams

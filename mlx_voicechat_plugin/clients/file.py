@@ -171,11 +171,10 @@ async def run_file_turn(
 
 def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-file-client") -> int:
     """Run the client; returns the exit status (see :mod:`.errors`)."""
-    from ..api_key import header_safe
     from ..runtime.audio_io import AudioInputError, check_wav_output_path, write_wav_pcm16
     from .display import LivePrinter, summary_lines
     from .protocol import check_prompt, check_seed
-    from .transport import check_api_key, normalize_url
+    from .transport import check_api_key, check_origin, normalize_url
 
     args = build_parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
     printer = LivePrinter(sys.stdout)
@@ -186,9 +185,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-file-clien
         if not (math.isfinite(args.receive_timeout) and args.receive_timeout > 0):
             raise UsageError(f"--receive-timeout must be a positive number of seconds, got {args.receive_timeout:g}")
         url = normalize_url(args.url)
-        if args.origin is not None and (not args.origin or not header_safe(args.origin)):
-            raise UsageError("--origin must be printable ASCII without surrounding spaces (an HTTP header value), "
-                             "e.g. http://localhost:8080")
+        check_origin(args.origin)
         try:
             output = check_wav_output_path(args.output, inputs=[args.input])
         except AudioInputError as error:

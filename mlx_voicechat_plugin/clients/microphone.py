@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-mic", back
     the sound-card boundary (tests)."""
     from .display import LivePrinter, summary_lines
     from .protocol import check_prompt, check_seed
-    from .transport import check_api_key, normalize_url
+    from .transport import check_api_key, check_origin, normalize_url
 
     args = build_parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
     printer = LivePrinter(sys.stdout)
@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat-mic", back
         check_seed(args.seed)
         check_prompt(args.system_prompt)
         api_key = check_api_key(args.api_key)
+        check_origin(args.origin)
         if args.jitter_ms < 0 or args.buffer_seconds <= 0 or args.jitter_ms / 1000.0 > args.buffer_seconds:
             raise UsageError("need 0 <= --jitter-ms / 1000 <= --buffer-seconds and --buffer-seconds > 0")
         if args.duration is not None and not args.duration > 0:

@@ -75,6 +75,21 @@ def check_api_key(key: str | None) -> str | None:
     return key
 
 
+def check_origin(origin: str | None) -> str | None:
+    """The ``Origin`` header to send (``--origin``; None: none, like any non-browser client).
+
+    Raises:
+        UsageError: an empty value or one no HTTP header can carry (non-ASCII or control
+            characters, surrounding whitespace), refused before connecting.
+    """
+    if origin is not None and (not origin or not header_safe(origin)):
+        raise UsageError(
+            "--origin must be printable ASCII without surrounding spaces (an HTTP header value), "
+            "e.g. http://localhost:8080"
+        )
+    return origin
+
+
 def describe_close(code: int | None, reason: str = "") -> str:
     """A close code as words, e.g. ``code 1008 (policy violation ...): idle``."""
     if code is None or code == 1006:
