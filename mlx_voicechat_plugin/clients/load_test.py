@@ -319,13 +319,13 @@ async def scrape(url: str, timeout: float = 10.0) -> dict[str, float]:
 
     threading.Thread(target=fetch, name="metrics-scrape", daemon=True).start()
     try:
-        ok, value = await asyncio.wait_for(done, max(0.1, timeout))
+        ok, body = await asyncio.wait_for(done, max(0.1, timeout))
     except asyncio.TimeoutError:
         raise OSError(f"GET {address}: no complete answer within {timeout:.3g} s") from None
     if not ok:
-        raise value
+        raise body  # the fetch's OSError
     samples = {}
-    for line in value.splitlines():
+    for line in body.splitlines():
         match = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
         if match:
             try:
