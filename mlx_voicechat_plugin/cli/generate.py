@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from ..exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STATUS_HELP, EXIT_USAGE
+from ..prompt_limit import MAX_PROMPT_TOKENS, PROMPT_TOKENS_CEILING
 from ..seed import is_seed
 from ..unicode_text import lone_surrogate
 from . import OFFLINE_COMMAND, chat_refusal  # noqa: F401 - chat_refusal: part of the CLI API
@@ -61,6 +62,9 @@ def build_parser(prog: str = "mlx-voicechat generate") -> argparse.ArgumentParse
     parser.add_argument("-p", "--prompt", nargs="+", default=None, action=_Once,
                         help="system prompt (default: none)")
     parser.add_argument("--system", default=None, action=_Once, help="system prompt (mlx-vlm spelling)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS, metavar="N",
+                        help=f"longest system prompt in tokens (default {MAX_PROMPT_TOKENS}, at most "
+                        f"{PROMPT_TOKENS_CEILING}; each token is one model step before the answer)")
     parser.add_argument("--extra-decoding-seconds", type=float, default=3.0,
                         help="silence appended after the input so the model can finish "
                         "(default 3, at most 600)")
@@ -128,6 +132,8 @@ def _check_arguments(args) -> list[str]:
         )
     if not is_seed(args.seed):
         raise UsageError("--seed must be an integer in [0, 2**64)")
+    if not 1 <= args.max_prompt_tokens <= PROMPT_TOKENS_CEILING:
+        raise UsageError(f"--max-prompt-tokens must be between 1 and {PROMPT_TOKENS_CEILING}, got {args.max_prompt_tokens}")
     limit = args.max_streaming_seconds
     if limit is not None and (not math.isfinite(limit) or limit <= 0):
         raise UsageError(f"--max-streaming-seconds must be a positive, finite number of seconds, got {limit:g}")
@@ -252,7 +258,7 @@ def _run(args) -> int:
     from ..runtime.timeline import prompt_ids
 
     try:  # the prompt's length in tokens: an input error (2), before any audio is run
-        prompt_ids(model.config, tokenizer, system_prompt)
+        prompt_ids(model.config, tokenizer, system_prompt, args.max_prompt_tokens)
     except ValueError as error:
         raise UsageError(str(error)) from None
 
@@ -280,6 +286,7 @@ def _run(args) -> int:
             seed=args.seed,
             use_language_cache=not args.no_language_cache,
             progress=progress,
+            max_prompt_tokens=args.max_prompt_tokens,
         )
     finally:
         if bar is not None:

@@ -31,6 +31,7 @@ def run_stream(model, tokenizer, waveform: np.ndarray, args, system_prompt: str 
         max_streaming_seconds=args.max_streaming_seconds,
         use_language_cache=not args.no_language_cache,
         profile=args.profile,
+        max_prompt_tokens=args.max_prompt_tokens,
     )
     session = model.create_streaming_session(options, processor=tokenizer)
     frame = session.frame_samples

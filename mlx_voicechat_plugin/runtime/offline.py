@@ -131,9 +131,9 @@ class OfflineSession(VoiceChatSession):
         install_vocabulary(model, tokenizer)
         compiled.install(model)  # MLX_VOICECHAT_COMPILE: fused static-shape blocks (GPU default)
 
-    def prompt_ids(self, system_prompt: str | None) -> list[int]:
+    def prompt_ids(self, system_prompt: str | None, max_tokens: int = MAX_PROMPT_TOKENS) -> list[int]:
         """:func:`.timeline.prompt_ids` with this session's tokenizer."""
-        return prompt_ids(self.model.config, self.tokenizer, system_prompt)
+        return prompt_ids(self.model.config, self.tokenizer, system_prompt, max_tokens)
 
     def decode_tokens(self, tokens: list[int]) -> str:
         """Decode ids, skipping pad, silence, BOS and EOS."""
@@ -151,6 +151,7 @@ class OfflineSession(VoiceChatSession):
         use_language_cache: bool = True,
         max_frames: int | None = None,
         progress: ProgressCallback | None = None,
+        max_prompt_tokens: int = MAX_PROMPT_TOKENS,
     ) -> OfflineResult:
         """Run one offline turn (spec "Offline timeline" steps 1-6).
 
@@ -164,9 +165,13 @@ class OfflineSession(VoiceChatSession):
                 the full history at every position, as the reference's default does.
             max_frames: optional cap on audio frames (at least 2).
             progress: called as ``progress(done, total)`` after every timeline position.
+            max_prompt_tokens: most tokens the system prompt may have (default 512, at
+                most 4,096; :func:`.timeline.prompt_ids`).
 
         Raises:
-            AudioInputError, ValueError: see :func:`prepare_waveform`; bad ``max_frames``.
+            AudioInputError, ValueError: see :func:`prepare_waveform`; bad ``max_frames``;
+                a system prompt over ``max_prompt_tokens``.
+            TypeError: ``max_prompt_tokens`` not an integer.
         """
         config = self.model.config
         rng = SessionRNG(seed)
@@ -181,7 +186,7 @@ class OfflineSession(VoiceChatSession):
             raise ValueError(f"max_frames must be an integer of at least 2, got {max_frames!r}")
         if progress is not None and not callable(progress):
             raise TypeError("progress must be a callable progress(done, total)")
-        prompt_ids = self.prompt_ids(system_prompt)
+        prompt_ids = self.prompt_ids(system_prompt, max_prompt_tokens)
         return self._run(mx.array(waveform), prompt_ids, use_language_cache, max_frames, progress, rng)
 
     def _run(self, waveform, prompt_ids, use_language_cache, max_frames, progress, rng) -> OfflineResult:

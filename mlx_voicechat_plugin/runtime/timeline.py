@@ -12,10 +12,8 @@ from types import SimpleNamespace
 import mlx.core as mx
 from mlx_vlm.models.nemotron_voicechat.session import VoiceChatSession
 
+from ..prompt_limit import MAX_PROMPT_TOKENS, check_prompt_tokens, prompt_chars_limit
 from ..unicode_text import lone_surrogate
-
-#: Longest system prompt (tokens): each token is one LLM and one EAR-TTS step of prefill.
-MAX_PROMPT_TOKENS = 512
 
 
 def special_ids(config) -> set[int]:
@@ -23,18 +21,24 @@ def special_ids(config) -> set[int]:
     return {config.pad_token_id, config.silence_token_id, config.bos_token_id, config.eos_token_id}
 
 
-def prompt_ids(config, tokenizer, system_prompt: str | None) -> list[int]:
+def prompt_ids(config, tokenizer, system_prompt: str | None, max_tokens: int = MAX_PROMPT_TOKENS) -> list[int]:
     """``[BOS] + tokens + [EOS]`` for a non-blank prompt, else ``[]`` (spec step 3).
 
     Args:
         config: the model's config (``default_system_prompt`` when ``system_prompt`` is None).
         tokenizer: its text tokenizer.
         system_prompt: the prompt text, or None for the checkpoint default.
+        max_tokens: most tokens the prompt may have (:mod:`~mlx_voicechat_plugin.prompt_limit`:
+            default 512, at most 4,096); a text of more than
+            :func:`~mlx_voicechat_plugin.prompt_limit.prompt_chars_limit` characters is
+            refused without tokenizing it.
 
     Raises:
-        TypeError: not a string.
-        ValueError: not valid Unicode, or longer than :data:`MAX_PROMPT_TOKENS` tokens.
+        TypeError: not a string; ``max_tokens`` not an integer.
+        ValueError: not valid Unicode, longer than ``max_tokens`` tokens or than the
+            character bound; ``max_tokens`` out of range.
     """
+    check_prompt_tokens(max_tokens)
     text = config.default_system_prompt if system_prompt is None else system_prompt
     if not isinstance(text, str):
         raise TypeError(f"system_prompt must be a string, got {type(text).__name__}")
@@ -42,12 +46,15 @@ def prompt_ids(config, tokenizer, system_prompt: str | None) -> list[int]:
         return []
     if lone_surrogate(text) is not None:
         raise ValueError("system_prompt is not valid Unicode text (lone surrogate)")
-    if len(text) > 8 * MAX_PROMPT_TOKENS:
-        raise ValueError(f"system_prompt is {len(text)} characters; at most {MAX_PROMPT_TOKENS} tokens are allowed")
-    tokens = tokenizer.encode(text, add_special_tokens=False)
-    if len(tokens) > MAX_PROMPT_TOKENS:
+    chars = prompt_chars_limit(max_tokens)
+    if len(text) > chars:
         raise ValueError(
-            f"system_prompt is {len(tokens)} tokens; at most {MAX_PROMPT_TOKENS} are allowed "
+            f"system_prompt is {len(text)} characters; at most {chars} characters and {max_tokens} tokens are allowed"
+        )
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    if len(tokens) > max_tokens:
+        raise ValueError(
+            f"system_prompt is {len(tokens)} tokens; at most {max_tokens} are allowed "
             "(each token costs one model step before the audio starts)"
         )
     return [config.bos_token_id, *tokens, config.eos_token_id]

@@ -16,6 +16,7 @@ import sys
 from ..api_key import header_safe
 from ..cli.compat import SERVER_FLAGS, add_mlx_vlm_options, ignored_note
 from ..exit_codes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, SERVE_EXIT_STATUS_HELP
+from ..prompt_limit import MAX_PROMPT_TOKENS, PROMPT_TOKENS_CEILING
 from .settings import (
     HEADER_TIMEOUT,
     IDLE_TIMEOUT,
@@ -135,6 +136,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--send-timeout", type=float, default=SEND_TIMEOUT, help=f"seconds a client may take to read each event before its session is dropped (default {SEND_TIMEOUT:g})")
     parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, help=f"open connections; more are refused with 503 (default {MAX_CONNECTIONS})")
     parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT, help=f"seconds to receive a request's headers (default {HEADER_TIMEOUT:g})")
+    parser.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS, metavar="N", help=f"longest system prompt a session may open with, in tokens (default {MAX_PROMPT_TOKENS}, at most {PROMPT_TOKENS_CEILING}; each token is one model step before the session's audio starts)")
     parser.add_argument("--max-queued-messages", type=int, default=MAX_QUEUED_MESSAGES, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_mlx_vlm_options(parser, SERVER_FLAGS)
@@ -145,6 +147,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 _OPTION_FIELDS = (
     "api_prefix", "send_timeout", "header_timeout", "max_connections", "max_queued_messages",
     "session_update_timeout", "idle_timeout", "max_session_seconds", "max_message_bytes", "allowed_origins",
+    "max_prompt_tokens",
 )
 
 
@@ -263,6 +266,7 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
             max_queued_messages=args.max_queued_messages,
             header_timeout=args.header_timeout,
             max_connections=args.max_connections,
+            max_prompt_tokens=args.max_prompt_tokens,
         )
 
     if args.alias is not None and (

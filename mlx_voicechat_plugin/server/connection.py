@@ -382,7 +382,9 @@ class Connection:
 
     async def _configure(self, message: dict) -> None:
         try:
-            config = protocol.parse_session_update(message, self.settings.max_session_seconds)
+            config = protocol.parse_session_update(
+                message, self.settings.max_session_seconds, self.settings.max_prompt_tokens
+            )
         except ProtocolError as error:
             await self.send_error(error.code, error.message)
             return

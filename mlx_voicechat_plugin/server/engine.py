@@ -569,6 +569,7 @@ class RealtimeEngine:
                     system_prompt=config.system_prompt,
                     seed=config.seed,
                     max_streaming_seconds=config.max_streaming_seconds,
+                    max_prompt_tokens=config.max_prompt_tokens,
                 )
                 batch.open(options, session_id=session_id)
             except (ValueError, TypeError, StreamingError) as error:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..prompt_limit import MAX_PROMPT_TOKENS
 from ..seed import is_seed
 from ..unicode_text import lone_surrogate
 
@@ -111,17 +112,23 @@ def _is_integer(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class SessionConfig:
-    """Validated ``session.update`` fields."""
+    """Validated ``session.update`` fields, and the server's prompt limit
+    (``max_prompt_tokens``, :mod:`~mlx_voicechat_plugin.prompt_limit`)."""
 
     system_prompt: str | None
     seed: int
     max_streaming_seconds: float
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
 
 
-def parse_session_update(message: dict, max_session_seconds: float) -> SessionConfig:
+def parse_session_update(
+    message: dict, max_session_seconds: float, max_prompt_tokens: int = MAX_PROMPT_TOKENS
+) -> SessionConfig:
     """Validate ``session.update``.
 
-    ``max_streaming_seconds`` larger than the server limit (or absent) is clamped to it.
+    ``max_streaming_seconds`` larger than the server limit (or absent) is clamped to it;
+    ``max_prompt_tokens`` (the server's limit) is carried to the session, which refuses a
+    longer ``system_prompt``.
 
     Raises:
         ProtocolError(session_initialization_failed): an invalid field: ``session`` present
@@ -158,7 +165,9 @@ def parse_session_update(message: dict, max_session_seconds: float) -> SessionCo
         if (isinstance(limit, float) and math.isnan(limit)) or limit <= 0:
             raise fail("session.max_streaming_seconds must be a positive number")
         seconds = float(min(limit, max_session_seconds))
-    return SessionConfig(system_prompt=prompt, seed=seed, max_streaming_seconds=seconds)
+    return SessionConfig(
+        system_prompt=prompt, seed=seed, max_streaming_seconds=seconds, max_prompt_tokens=max_prompt_tokens
+    )
 
 
 def parse_append(message: dict) -> np.ndarray:

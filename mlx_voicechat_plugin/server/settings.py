@@ -6,6 +6,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from ..prompt_limit import MAX_PROMPT_TOKENS, check_prompt_tokens
+
 #: Largest WebSocket message or frame accepted (bytes): about 24 s of base64 PCM16.
 MAX_MESSAGE_BYTES = 1024 * 1024
 #: A session lasts at most this much audio; larger ``max_streaming_seconds`` are clamped.
@@ -55,6 +57,11 @@ class ServerSettings:
             client's upgrade may use any well-formed name.
         send_timeout, max_queued_messages, header_timeout, max_connections: the limits
             above (:data:`SEND_TIMEOUT` ...).
+        max_prompt_tokens: the longest system prompt a session may open with, in tokens
+            (:mod:`~mlx_voicechat_plugin.prompt_limit`: default 512, at most 4,096).
+
+    Raises:
+        ValueError: a setting out of range or malformed (the message names its field).
     """
 
     model_id: str
@@ -71,6 +78,7 @@ class ServerSettings:
     max_queued_messages: int = MAX_QUEUED_MESSAGES
     header_timeout: float = HEADER_TIMEOUT
     max_connections: int = MAX_CONNECTIONS
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
 
     def __post_init__(self):
         prefix = self.api_prefix.strip().strip("/")
@@ -104,6 +112,10 @@ class ServerSettings:
                 raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
         if self.max_message_bytes < 1024:
             raise ValueError("max_message_bytes must be at least 1024")
+        try:
+            check_prompt_tokens(self.max_prompt_tokens)
+        except TypeError as error:
+            raise ValueError(str(error)) from None
 
     def path(self, route: str) -> str:
         """``route`` under the API prefix."""

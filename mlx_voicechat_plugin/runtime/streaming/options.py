@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 
+from ...prompt_limit import MAX_PROMPT_TOKENS, check_prompt_tokens
 from ...seed import is_seed
 
 #: A session lasts at most this much audio (spec "One session at a time": 600 s).
@@ -30,6 +31,12 @@ class StreamingOptions:
         use_perception_cache: cache-aware log-mel + FastConformer (default); False
             recomputes them over a sliding sample window every frame (diagnostic).
         profile: record per-frame stage timings (:class:`StreamingProfile`).
+        max_prompt_tokens: most tokens ``system_prompt`` may have (default 512, at most
+            4,096; :mod:`~mlx_voicechat_plugin.prompt_limit`): each is one model step before the audio
+            starts.
+
+    Raises:
+        TypeError, ValueError: an option of the wrong type or out of range.
     """
 
     system_prompt: str | None = None
@@ -38,6 +45,7 @@ class StreamingOptions:
     use_language_cache: bool = True
     use_perception_cache: bool = True
     profile: bool = False
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
 
     def __post_init__(self):
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
@@ -45,6 +53,7 @@ class StreamingOptions:
         for name in ("use_language_cache", "use_perception_cache", "profile"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_prompt_tokens(self.max_prompt_tokens)
         if not is_seed(self.seed):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         limit = self.max_streaming_seconds

@@ -76,7 +76,7 @@ class StreamingSession:
         install_vocabulary(model, tokenizer)  # EAR-TTS's character vocabulary (memoised per model)
         compiled.install(model)  # MLX_VOICECHAT_COMPILE: fused static-shape blocks (GPU default)
         #: ``[BOS] + tokens + [EOS]`` of the system prompt (``[]`` for a blank one).
-        self.prompt_ids = prompt_ids(config, tokenizer, self.options.system_prompt)
+        self.prompt_ids = prompt_ids(config, tokenizer, self.options.system_prompt, self.options.max_prompt_tokens)
         self._pending = np.zeros(0, dtype=np.float32)
         #: The session's persistent state (every stage's, the timeline's, the RNG key).
         self.state = SessionState(model, tokenizer, self.options)

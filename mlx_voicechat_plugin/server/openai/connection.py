@@ -17,6 +17,7 @@ import logging
 
 import numpy as np
 
+from ...prompt_limit import prompt_chars_limit
 from .. import protocol
 from ..connection import CLOSE_TRY_AGAIN, Connection, _Disconnected
 from ..log_limit import RateLimitFilter
@@ -202,7 +203,7 @@ class OpenAIConnection(Connection):
             )
 
     async def _session_update(self, message: dict) -> None:
-        config = session_config.apply_update(self.config, message.get("session"))
+        config = session_config.apply_update(self.config, message.get("session"), self._prompt_chars())
         if not self.opened:
             self._check_prompt(config.instructions, self.prompt_items, "session.instructions")
         if config.input_format != self.config.input_format:
@@ -212,16 +213,19 @@ class OpenAIConnection(Connection):
         self.configured = True
         await self.send({"type": "session.updated", "session": self._session()})
 
-    @staticmethod
-    def _check_prompt(instructions: str | None, items: list[str], param: str) -> None:
-        """Refuse a prompt (``instructions`` + text items) over :data:`fields.MAX_PROMPT_CHARS`."""
+    def _prompt_chars(self) -> int:
+        """The longest system prompt text (characters) under the server's prompt limit."""
+        return prompt_chars_limit(self.settings.max_prompt_tokens)
+
+    def _check_prompt(self, instructions: str | None, items: list[str], param: str) -> None:
+        """Refuse a prompt (``instructions`` + text items) over :meth:`_prompt_chars`."""
         parts = ([instructions] if instructions else []) + items
         length = fields.prompt_length(parts)
-        if length > fields.MAX_PROMPT_CHARS:
+        if length > self._prompt_chars():
             raise RealtimeError(
                 "string_above_max_length",
                 f"the system prompt (instructions plus text items) would be {length} characters; at most "
-                f"{fields.MAX_PROMPT_CHARS} are allowed (the model's limit is {fields.MAX_PROMPT_TOKENS} tokens)",
+                f"{self._prompt_chars()} are allowed (the server's limit is {self.settings.max_prompt_tokens} tokens)",
                 param=param,
             )
 
@@ -234,7 +238,12 @@ class OpenAIConnection(Connection):
         if self.opened:
             return
         prompt = self._prompt()
-        config = protocol.SessionConfig(system_prompt=prompt, seed=0, max_streaming_seconds=self.settings.max_session_seconds)
+        config = protocol.SessionConfig(
+            system_prompt=prompt,
+            seed=0,
+            max_streaming_seconds=self.settings.max_session_seconds,
+            max_prompt_tokens=self.settings.max_prompt_tokens,
+        )
         reply = await self.open_session(config)
         if reply.error is not None:
             raise RealtimeError("session_initialization_failed", reply.error.message, error_type=SERVER_ERROR)
@@ -371,7 +380,7 @@ class OpenAIConnection(Connection):
                 raise RealtimeError(
                     "unsupported_parameter", "only text content (input_text / text / output_text) can be added", param="item.content"
                 )
-            texts.append(fields.string(part.get("text"), f"{param}.text", max_chars=fields.MAX_PROMPT_CHARS))
+            texts.append(fields.string(part.get("text"), f"{param}.text", max_chars=self._prompt_chars()))
             # echoed as the GA part of the role (the beta's "text" is accepted on input)
             parts.append({"type": "output_text" if role == "assistant" else "input_text", "text": texts[-1]})
         if self.client_items >= fields.MAX_CLIENT_ITEMS:

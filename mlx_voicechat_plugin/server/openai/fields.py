@@ -8,8 +8,9 @@ quoted back to the client are cut to :data:`MAX_NAME_CHARS`.
 
 Limits (docs/openai-realtime.md, "Limits"): the system prompt the model will hear
 (``instructions`` plus the text items created before the model session opens) is at most
-:data:`MAX_PROMPT_CHARS` characters -- the runtime's own cheap bound (8 characters per token x
-:data:`MAX_PROMPT_TOKENS`; a longer prompt could never open) -- and at most
+the runtime's own cheap bound of characters for the server's prompt limit
+(:func:`~mlx_voicechat_plugin.prompt_limit.prompt_chars_limit` of ``--max-prompt-tokens``,
+by default :data:`MAX_PROMPT_CHARS`; a longer prompt could never open) -- and at most
 :data:`MAX_PROMPT_ITEMS` items; a connection creates at most :data:`MAX_CLIENT_ITEMS` items.
 """
 
@@ -17,15 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...prompt_limit import MAX_PROMPT_TOKENS, prompt_chars_limit
 from ...unicode_text import lone_surrogate
 from .errors import RealtimeError
 
-#: The model's system-prompt limit (``runtime.offline.MAX_PROMPT_TOKENS``; not imported here
-#: to keep the server free of the runtime's imports, a test checks they agree).
-MAX_PROMPT_TOKENS = 512
-#: Longest prompt text (characters) the dialect accepts: the runtime refuses longer prompts
-#: before tokenizing, so nothing it could accept is refused here.
-MAX_PROMPT_CHARS = 8 * MAX_PROMPT_TOKENS
+#: Longest prompt text (characters) the dialect accepts under the default prompt limit (the
+#: runtime refuses longer prompts before tokenizing, so nothing it could accept is refused
+#: here); also the bound of ``audio.input.transcription.prompt``.
+MAX_PROMPT_CHARS = prompt_chars_limit(MAX_PROMPT_TOKENS)
 #: Text items that may join the system prompt (before the model session opens).
 MAX_PROMPT_ITEMS = 64
 #: Items a client may create on one connection (their ids are kept for ``previous_item_id``).

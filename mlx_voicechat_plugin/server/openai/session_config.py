@@ -141,8 +141,10 @@ def _turn_detection(value: Any, param: str) -> dict | None:
     return result
 
 
-def apply_update(config: SessionConfig, session: Any) -> SessionConfig:
-    """Validate a GA ``session.update`` ``session`` object against ``config``.
+def apply_update(config: SessionConfig, session: Any, max_prompt_chars: int = fields.MAX_PROMPT_CHARS) -> SessionConfig:
+    """Validate a GA ``session.update`` ``session`` object against ``config``;
+    ``instructions`` may have at most ``max_prompt_chars`` characters (the server's prompt
+    limit, :func:`~mlx_voicechat_plugin.prompt_limit.prompt_chars_limit`).
 
     Returns:
         the updated config (``config`` itself is unchanged).
@@ -161,7 +163,7 @@ def apply_update(config: SessionConfig, session: Any) -> SessionConfig:
             if value != "realtime":
                 raise _fail(param, f"only realtime sessions are served here (session.type 'realtime'), got {str(value)[:40]!r}")
         elif key == "instructions":
-            changes["instructions"] = fields.string(value, param, optional=True, max_chars=fields.MAX_PROMPT_CHARS)
+            changes["instructions"] = fields.string(value, param, optional=True, max_chars=max_prompt_chars)
         elif key == "output_modalities":
             if value is None:
                 continue
