@@ -235,6 +235,30 @@ def test_chat_routes_answer_501_naming_the_realtime_route(plain, route):
     assert "/v1/realtime" in body["error"]["message"]
 
 
+def test_a_plain_request_to_the_realtime_route_is_told_to_upgrade(plain, prefixed):
+    import socket
+
+    status, body = http("GET", plain.http_url("/v1/realtime"))
+    assert status == 426 and "WebSocket" in body["error"]["message"], body
+    status, body = http("GET", prefixed.http_url("/v1/realtime"))
+    assert status == 426 and "/voice/v1/realtime" in body["error"]["message"], body
+    for method in ("POST", "PUT", "DELETE"):
+        assert http(method, plain.http_url("/v1/realtime"))[0] == 405
+    # the answer names the protocol to upgrade to and keeps the connection usable
+    with socket.create_connection((plain.bind, plain.port), timeout=10) as sock:
+        request = f"HEAD /v1/realtime HTTP/1.1\r\nHost: {plain.host}\r\n\r\n"
+        sock.sendall((request + request.replace("HEAD /v1/realtime", "GET /health")).encode())
+        received = b""
+        while b"engine_alive" not in received:
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+    head, _, rest = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 426 ") and b"\r\nupgrade: websocket" in head.lower(), head
+    assert rest.startswith(b"HTTP/1.1 200 "), rest[:80]
+    assert plain.health()["session_slot"] == "free"
+
+
 def test_chat_routes_are_501_even_with_an_api_key(keyed):
     status, body = http("POST", keyed.http_url("/v1/chat/completions"), {"messages": []})
     assert status == 501 and "/v1/realtime" in body["error"]["message"]

@@ -3,6 +3,8 @@
 Routes (all under ``--api-prefix``):
 
 * ``GET  /v1/realtime`` -- the WebSocket (:mod:`.connection`), gated by API key and Origin;
+  a plain ``GET`` / ``HEAD`` there (no upgrade) is answered 426 Upgrade Required with
+  ``Upgrade: websocket``, any other method 405;
 * ``GET  /health`` -- ``{"status", "engine_alive", "session_slot", "model"}``; 200 while the
   engine thread is alive, 503 otherwise (for load balancers);
 * ``GET  /ready`` -- 200 while the engine is alive and one more session would be admitted
@@ -124,6 +126,21 @@ def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engin
             await connection.run()
         finally:
             app.state.connections.discard(connection)
+
+    @app.api_route(realtime_path, methods=["GET", "HEAD"])
+    async def realtime_without_upgrade():
+        # The route exists: a plain request (a browser, curl, a health check pointed at it)
+        # is told to upgrade (RFC 9110 15.5.22) rather than that nothing is here (404).
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f"{realtime_path} is the realtime WebSocket: connect with a WebSocket client (Upgrade: websocket)",
+                    "type": "upgrade_required",
+                }
+            },
+            status_code=426,
+            headers={"Upgrade": "websocket", "Cache-Control": "no-store"},
+        )
 
     @app.api_route(settings.path("/health"), methods=["GET", "HEAD"])
     async def health():
