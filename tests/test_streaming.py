@@ -292,7 +292,7 @@ def test_profile_summary_and_frame_dump(models, speech_16k, tmp_path, monkeypatc
     assert summary["processing_frames_per_second"] == pytest.approx(1000.0 / total)
     # One readback of the frame's ids and RNNT symbols, one evaluation of its outputs.
     assert summary["host_syncs"] == {"mean": 2.0, "max": 2}
-    assert {"perception.mel", "perception.encoder", "language.llm", "tts.backbone", "tts.mog_head", "codec.decode"} <= set(
+    assert {"perception.mel", "perception.layers", "language.llm", "tts.backbone", "tts.mog_head", "codec.decoder_istft"} <= set(
         summary["sub_stages"]
     )
     written = json.loads(dump.read_text())

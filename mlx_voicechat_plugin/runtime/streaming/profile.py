@@ -7,7 +7,8 @@ evaluations are not counted, so the figure is the same with profiling off).
 
 Environment:
     ``MLX_VOICECHAT_PROFILE_STAGES=1`` adds named sub-stage marks (``perception.mel``,
-    ``perception.encoder``, ``perception.proj``, ``language.llm``, ``tts.backbone``, ``tts.mog_head``, ``codec.decode``)
+    ``perception.layers``, ``perception.proj``, ``language.llm``, ``tts.backbone``,
+    ``tts.mog_head``, ``codec.decoder_istft``: the spec's names where it gives them)
     reported as ``sub_stages``; those marks force evaluation at every boundary, so that
     run's totals are not the real-time factor.
     ``MLX_VOICECHAT_PROFILE_FRAMES=<path>`` writes every frame's timings (cold frames

@@ -122,7 +122,7 @@ def _perceive(states: list, inputs: list, clock: FrameClock) -> tuple[mx.array, 
                     f"mel={tuple(inputs[row].shape)}, encoded={[tuple(c.shape) for c in found]}"
                 )
         frames = mx.concatenate([found[0] for found in chunks], axis=0) if len(chunks) > 1 else chunks[0][0]
-        clock.mark("perception.encoder", frames)
+        clock.mark("perception.layers", frames)
         projection = perception.proj(frames)
         clock.mark("perception.proj", projection)
         if len(cached) == len(states):
@@ -247,7 +247,7 @@ def _step(states: list, inputs: list, clock: FrameClock, prompts: list) -> list[
         return [(clean, audio[0, 0]) for clean, audio in zip(cleans, decoded)]
 
     cleans, samples = (list(column) for column in zip(*in_lanes(model, count, decode, "codec")))
-    clock.mark("codec.decode", *samples)
+    clock.mark("codec.decoder_istft", *samples)
     per_row = [
         [samples[row], cleans[row], *([rests[row]] if rests[row] is not None else []), *states[row].state_arrays()]
         for row in range(count)
