@@ -265,8 +265,8 @@ def test_ping_before_and_after_update(server):
 
 
 def test_append_is_decoded_and_sliced_per_frame(server, engine, monkeypatch):
-    """One engine call per 1280-sample slice, PCM16 / 32768, and each slice's events are
-    sent before the next slice runs."""
+    """One engine call per whole 1280-sample frame (a remainder waits for the next append),
+    PCM16 / 32768, and each frame's events are sent before the next frame runs."""
     log: list = []
     original_call = engine.call
     original_send = connection_module.Connection.send
@@ -299,14 +299,14 @@ def test_append_is_decoded_and_sliced_per_frame(server, engine, monkeypatch):
         client.until_closed()
 
     pushes = [entry for entry in log if entry[0] == "push"]
-    assert [entry[1].shape[0] for entry in pushes] == [1280, 1280, 1280, 640, 640]
+    assert [entry[1].shape[0] for entry in pushes] == [1280, 1280, 1280, 1280]
     assert all(entry[1].dtype == np.float32 for entry in pushes)
     np.testing.assert_array_equal(
         np.concatenate([entry[1] for entry in pushes]), np.concatenate([first, second])
     )
     # Between consecutive pushes come exactly the events of the frame the first one closed.
     position = [index for index, entry in enumerate(log) if entry[0] == "push"]
-    expected_frames = [0, 1, 2, None, 3]
+    expected_frames = [0, 1, 2, 3]
     for number, start in enumerate(position):
         end = position[number + 1] if number + 1 < len(position) else len(log)
         sent = [entry for entry in log[start + 1 : end] if entry[0] == "send"]

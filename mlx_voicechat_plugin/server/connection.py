@@ -20,7 +20,18 @@ Hostile clients (``docs/protocol.md``, "Limits"):
   Because appends are read ahead, a cancel sent behind queued audio is seen at once: the
   running append stops at its next slice and the queued ones are dropped unprocessed (spec:
   cancel drops pending audio);
-* a disconnect stops a running append at the next slice boundary.
+* a disconnect stops a running append at the next slice boundary;
+* the CPU the event loop spends parsing a client's messages is charged to it
+  (:class:`~.cpu_budget.CpuBudget`): a client whose messages cost more than about a tenth of
+  a core is read more slowly, so valid but costly JSON cannot starve the engine thread and
+  the other callers.
+
+Appends of the default dialect reach the engine in whole 80 ms frames: a shorter remainder
+waits at the connection (:attr:`Connection.carry`) for the next append, and a commit hands
+it over before the flush. The model sees the same samples in the same frames; a client
+sending tiny appends costs the engine one call per frame, not one per append (one call per
+append made such a client's own frames late enough to close the admission to everyone
+else).
 """
 
 from __future__ import annotations
@@ -30,9 +41,11 @@ import collections
 import logging
 import time
 
+import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol
+from .cpu_budget import CpuBudget
 from .engine import RealtimeEngine, Reply
 from .inbox import Inbox, append_samples, held_bytes
 from .protocol import (
@@ -105,6 +118,10 @@ class Connection:
         # When the message being handled was read from the socket (an append's frames are
         # due from then on: the engine's lag clock, :mod:`.lag_clock`).
         self.message_read_at = self.connected_at
+        # The CPU its messages cost to parse on the event loop (both parses charged).
+        self.cpu = CpuBudget()
+        # Appended samples short of a whole frame, not yet handed to the engine.
+        self.carry = np.zeros(0, np.float32)
 
     # ------------------------------------------------------------------ sending
     async def send(self, payload: dict) -> None:
@@ -156,6 +173,7 @@ class Connection:
         limit = self.settings.max_message_bytes
         try:
             while True:
+                await self.cpu.settle()  # a client in debt is read later (TCP pushes back)
                 frame = await self.websocket.receive()
                 if frame["type"] == "websocket.disconnect":
                     self.gone = True
@@ -171,14 +189,18 @@ class Connection:
                         ("error", ProtocolError(INVALID_REQUEST, "binary frames are not supported; send JSON text frames"))
                     )
                     continue
-                if len(text) > limit or len(text.encode("utf-8")) > limit:
-                    await self._enqueue(("too_big", None))
-                    break
                 try:
-                    message = protocol.parse_message(text)
+                    with self.cpu.measure():
+                        if len(text) > limit or len(text.encode("utf-8")) > limit:
+                            message = None
+                        else:
+                            message = protocol.parse_message(text)
                 except ProtocolError as error:
                     await self._enqueue(("error", error))
                     continue
+                if message is None:
+                    await self._enqueue(("too_big", None))
+                    break
                 self._read_seq += 1
                 self._note_read(message)
                 # the frame text is queued (parsed again when handled): what a queued
@@ -288,7 +310,8 @@ class Connection:
                     await self._after_item()
                     continue
                 text, self.message_read_at = value
-                value = protocol.parse_message(text)  # parsed once already by the reader
+                with self.cpu.measure():
+                    value = protocol.parse_message(text)  # parsed once already by the reader
                 self._dispatched_seq += 1  # "message" items are dispatched in reading order
                 for read in (self._cancels_read, self._commits_read):
                     while read and read[0] <= self._dispatched_seq:
@@ -409,6 +432,16 @@ class Connection:
             await self.send_error(error.code, error.message)
             return
         frame = protocol.FRAME_SAMPLES
+        if self.carry.shape[0]:
+            samples = np.concatenate([self.carry, samples])
+        whole = samples.shape[0] // frame * frame
+        self.carry = samples[whole:]
+        await self._push(samples[:whole])
+
+    async def _push(self, samples: np.ndarray) -> None:
+        """Hand ``samples`` (whole frames) to the engine one 1280-sample frame at a time,
+        sending each frame's events before the next."""
+        frame = protocol.FRAME_SAMPLES
         for start in range(0, samples.shape[0], frame):
             if self.cancel_ahead():
                 return  # the queued cancel is handled before any more audio
@@ -432,6 +465,11 @@ class Connection:
             await self.send_error(error.code, error.message)
             return
         await self.send({"type": "input_audio_buffer.committed"})
+        if self.carry.shape[0]:  # the partial frame the appends left (no frame completes), then the flush
+            carry, self.carry = self.carry, np.zeros(0, np.float32)
+            reply = await self.engine.call("push", self.session_id, samples=carry, arrived=self.message_read_at)
+            if reply.error is not None:
+                await self.send_error(reply.error.code, reply.error.message)
         reply = await self.engine.call("flush", self.session_id, pad_partial=pad_partial)
         if reply.error is not None:
             for event in reply.events:

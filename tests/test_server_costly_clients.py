@@ -1,0 +1,163 @@
+"""Clients that stay inside every size and rate limit but cost the server work: valid JSON
+that is slow to parse (charged to the client's CPU budget, :mod:`~mlx_voicechat_plugin.server.cpu_budget`)
+and appends of a few samples each (handed to the engine in whole frames). Neither may make
+another caller late or close the admission to it."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from mlx_voicechat_plugin.server.cpu_budget import CpuBudget
+from mlx_voicechat_plugin.server.engine import RealtimeEngine
+
+from .test_server_support import FRAME, ServerHandle, append, http, server_settings
+
+#: 1 MiB of valid JSON that takes the parser tens of milliseconds (349,000 empty objects).
+COSTLY = '{"type":"x","j":[' + ",".join(["{}"] * 349_000) + "]}"
+
+
+def test_the_budget_grants_its_share_and_its_burst():
+    now = [0.0]
+    budget = CpuBudget(share=0.1, burst=0.05, clock=lambda: now[0])
+    budget.charge(0.04)
+    assert budget.delay() == 0.0  # within the burst
+    budget.charge(0.11)  # 0.1 s of debt: one second at a tenth of a core
+    assert budget.delay() == pytest.approx(1.0)
+    now[0] = 0.5
+    assert budget.delay() == pytest.approx(0.5)
+    now[0] = 100.0  # the bucket refills to its size, no further
+    budget.charge(0.06)
+    assert budget.delay() == pytest.approx(0.1)
+    assert budget.charged == pytest.approx(0.21)
+    with pytest.raises(ValueError):
+        CpuBudget(share=0.0)
+    with pytest.raises(ValueError):
+        CpuBudget(burst=0.0)
+
+
+def test_measure_charges_this_threads_cpu_time():
+    budget = CpuBudget()
+    with budget.measure():
+        sum(range(2_000_000))  # CPU work
+    with budget.measure():
+        time.sleep(0.05)  # waiting costs nothing
+    assert 0.0 < budget.charged < 0.05 + 0.5
+
+
+@pytest.fixture(scope="module")
+def pair(tiny):
+    from mlx_voicechat_plugin.loading import load
+
+    engine = RealtimeEngine(lambda: load(tiny), max_sessions=2, tick_budget=math.inf, warm_up=False)
+    engine.start(timeout=180)
+    with ServerHandle(server_settings(tiny), engine) as server:
+        yield server
+    engine.stop()
+
+
+def _paced_latencies(server, frames: int) -> list[float]:
+    """One caller sending one 80 ms append per 80 ms: seconds from each append to its audio."""
+    rng = np.random.default_rng(0)
+    latencies = []
+    with server.connect() as client:
+        client.configure()
+        start = time.monotonic()
+        for index in range(frames):
+            time.sleep(max(0.0, start + index * 0.08 - time.monotonic()))
+            sent = time.monotonic()
+            client.send(append(rng.uniform(-0.3, 0.3, FRAME).astype(np.float32)))
+            while True:
+                event = client.recv(timeout=30)
+                assert event["type"] != "error", event
+                if event["type"] == "response.audio.delta" and event["frame_index"] == index:
+                    break
+            latencies.append(time.monotonic() - sent)
+        client.send({"type": "session.cancel"})
+        client.until_closed()
+    return latencies
+
+
+#: The client sending :data:`COSTLY` in a loop, in its own process (as a remote client would
+#: be: in the server's process its sending would share the server's GIL); prints how many
+#: answers it got when its standard input closes.
+FLOOD = """
+import sys, threading
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+costly = '{"type":"x","j":[' + ",".join(["{}"] * 349_000) + "]}"
+answers = []
+with connect(sys.argv[1], max_size=None, ping_interval=None, open_timeout=30) as socket:
+    socket.recv(timeout=30)  # session.created: it holds the other slot
+    print("connected", flush=True)
+    def drain():
+        try:
+            while True:
+                answers.append(socket.recv())
+        except ConnectionClosed:
+            pass
+    threading.Thread(target=drain, daemon=True).start()
+    def flood():
+        try:
+            while True:
+                socket.send(costly)
+        except ConnectionClosed:
+            pass
+    threading.Thread(target=flood, daemon=True).start()
+    sys.stdin.read()
+print(len(answers), all('"invalid_request"' in text for text in answers), flush=True)
+"""
+
+
+def test_costly_json_from_one_client_does_not_make_another_late(pair):
+    import subprocess
+    import sys
+
+    alone = float(np.percentile(_paced_latencies(pair, 40), 95))
+    attacker = subprocess.Popen(
+        [sys.executable, "-c", FLOOD, pair.ws_url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert attacker.stdout.readline().strip() == "connected"
+        time.sleep(1.0)
+        latencies = _paced_latencies(pair, 40)
+        answered, _ = attacker.communicate("", timeout=60)
+    finally:
+        if attacker.poll() is None:
+            attacker.kill()
+    p95 = float(np.percentile(latencies, 95))
+    # Without the budget the caller's p95 grew by 0.17 s here (a remote client sending
+    # faster put it over a second behind, closed by --max-lag); with it, by a few ms.
+    assert p95 < alone + 0.08, (alone, p95, latencies)
+    count, refused = answered.split()
+    assert int(count) > 0 and refused == "True"  # each costly message answered invalid_request
+    pair.wait_slot_free()
+
+
+def test_tiny_appends_reach_the_engine_in_whole_frames(pair, monkeypatch):
+    engine = pair.engine
+    pushes: list[int] = []
+    original = engine.call
+
+    async def spy(kind, session_id, **payload):
+        if kind == "push":
+            pushes.append(int(payload["samples"].shape[0]))
+        return await original(kind, session_id, **payload)
+
+    monkeypatch.setattr(engine, "call", spy)
+    samples = np.random.default_rng(1).uniform(-0.3, 0.3, 3 * FRAME + 7).astype(np.float32)
+    with pair.connect() as client:
+        client.configure()
+        for value in samples:  # one sample per append
+            client.send(append(np.array([value], np.float32)))
+        ready = [http("GET", pair.http_url("/ready"))[0] for _ in range(3)]
+        client.send({"type": "input_audio_buffer.commit"})
+        events, code = client.until_closed()
+    frames = sorted({event["frame_index"] for event in events if event["type"] == "response.audio.delta"})
+    assert frames == [0, 1, 2, 3] and code == 1000  # three whole frames, then the padded rest
+    assert pushes == [FRAME, FRAME, FRAME, 7], pushes  # not one engine call per append
+    assert ready == [200, 200, 200]  # the other slot stays open
+    pair.wait_slot_free()
