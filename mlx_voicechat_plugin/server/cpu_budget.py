@@ -6,8 +6,8 @@ limits (:mod:`.transport_guards`) bound how many messages a client sends, not wh
 costs: a 1 MiB message of valid JSON can take tens of milliseconds to parse (an array of
 hundreds of thousands of empty objects, or of integers, each a Python object), so one
 client sending a few dozen a second, within every size and rate limit, pushed the other
-callers' ticks past the 80 ms frame (hostile review: a paced caller beside such a client
-went from p50 14 ms to over a second behind and was closed by ``--max-lag``).
+callers' ticks past the 80 ms frame (a paced tiny-preset caller beside such a client went
+from p50 15 ms to over a second behind and was closed by ``--max-lag``).
 
 :class:`CpuBudget` is a token bucket of CPU seconds: each parse is charged the CPU time
 the event-loop thread spent on it (``time.thread_time``, so waiting for the GIL costs a
