@@ -2,8 +2,8 @@
 
 A reader task turns incoming frames into queue items (so a cancel is seen while a long
 append runs and the idle clock sees every message); the handler processes them in order.
-Appends run one 1280-sample slice per engine call, sending each slice's events before the
-next slice; a cancel takes effect at the next slice boundary. The slot is released after
+Appends run one 1280-sample frame (slice) per engine call, sending each slice's events
+before the next slice; a cancel takes effect at the next slice boundary. The slot is released after
 ``commit`` / ``cancel`` (before the close frame) and when the client disconnects (the
 unflushed session is cancelled first).
 
