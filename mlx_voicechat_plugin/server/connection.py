@@ -205,8 +205,9 @@ class Connection:
                 self._note_read(message)
                 # the frame text is queued (parsed again when handled): what a queued
                 # message holds is its wire size, whatever fields it carries
-                samples = self.append_samples(message)
-                del message
+                with self.cpu.measure():  # freeing a large message's objects costs too
+                    samples = self.append_samples(message)
+                    del message
                 await self._enqueue(("message", (text, self.last_message_at)), samples, held_bytes(text))
         except (WebSocketDisconnect, RuntimeError, OSError):
             self.gone = True
@@ -318,7 +319,10 @@ class Connection:
                         read.popleft()
                 await self._dispatch(value)
                 self.handled_at = time.monotonic()
-                await self._after_item(value.get("type"))
+                handled = value.get("type")
+                with self.cpu.measure():
+                    del value
+                await self._after_item(handled)
         except _Disconnected:
             pass
         finally:

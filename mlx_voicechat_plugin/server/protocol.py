@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import gc
 import json
 import math
 import secrets
@@ -61,6 +63,22 @@ def new_session_id() -> str:
     return "sess_" + secrets.token_hex(8)
 
 
+def quoted(value: Any, limit: int = 40) -> str:
+    """A client's JSON value for an error message, at most about ``limit`` characters, built
+    without converting the whole value: an array or object is named by its size, a long
+    string cut, an integer of more than 40 digits by its length (a 1 MiB array or a
+    4,300-digit integer costs nothing to quote)."""
+    if isinstance(value, str):
+        return json.dumps(value[:limit]) + ("..." if len(value) > limit else "")
+    if isinstance(value, list):
+        return f"an array of {len(value)} value{'' if len(value) == 1 else 's'}"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} key{'' if len(value) == 1 else 's'}"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 132:
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    return json.dumps(value)[:limit]
+
+
 def error_event(code: str, message: str) -> dict:
     return {"type": "error", "error": {"code": code, "message": message}}
 
@@ -76,14 +94,40 @@ def _json_integer(digits: str) -> int | float:
         return -math.inf if digits.startswith("-") else math.inf
 
 
+#: Most JSON values (counted by their separators and openers, ``,`` ``[`` ``{``, strings'
+#: contents included) a message may hold. No message of the protocol comes near it (an
+#: append is one string; the longest prompt, 32,768 characters, stays under it even if every
+#: character were a comma); 1 MiB of ``[]`` would be 350,000 values, each a Python object to
+#: build and free on the event loop.
+MAX_JSON_VALUES = 65_536
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off for the block (on again after it, if it was):
+    building a parsed message's objects would otherwise trigger collections that scan the
+    whole heap, most of a costly message's parse time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def parse_message(text: str) -> dict:
     """Decode one text frame into a message object with a string ``type``.
 
     Raises:
-        ProtocolError(invalid_request): not JSON, not an object, or no string ``type``.
+        ProtocolError(invalid_request): more than :data:`MAX_JSON_VALUES` values (refused
+            before parsing), not JSON, not an object, or no string ``type``.
     """
+    if len(text) > MAX_JSON_VALUES and text.count(",") + text.count("[") + text.count("{") > MAX_JSON_VALUES:
+        raise ProtocolError(INVALID_REQUEST, f"a message may hold at most {MAX_JSON_VALUES} JSON values")
     try:
-        message = json.loads(text, parse_int=_json_integer)
+        with _collector_paused():
+            message = json.loads(text, parse_int=_json_integer)
     except (ValueError, RecursionError):
         raise ProtocolError(INVALID_REQUEST, "message must be a JSON object") from None
     if not isinstance(message, dict):
@@ -181,7 +225,7 @@ def parse_append(message: dict) -> np.ndarray:
     if isinstance(rate, float) and rate.is_integer():
         rate = int(rate)  # ``16000.0``: an integer written as a float (the reference takes it too)
     if not _is_integer(rate):
-        raise ProtocolError(INFERENCE_ERROR, f"sample_rate must be an integer, got {json.dumps(rate)[:40]}")
+        raise ProtocolError(INFERENCE_ERROR, f"sample_rate must be an integer, got {quoted(rate)}")
     if rate != 16000:
         raise ProtocolError(
             INFERENCE_ERROR, f"expected 16000 Hz PCM16, received sample_rate {rate}; resample to 16 kHz"

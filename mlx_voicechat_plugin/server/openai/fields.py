@@ -20,6 +20,7 @@ from typing import Any
 
 from ...prompt_limit import MAX_PROMPT_TOKENS, prompt_chars_limit
 from ...unicode_text import lone_surrogate
+from ..protocol import quoted
 from .errors import RealtimeError
 
 #: Longest prompt text (characters) the dialect accepts under the default prompt limit (the
@@ -101,7 +102,7 @@ def choice(value: Any, param: str, choices, *, optional: bool = False) -> Any:
         return None
     if not isinstance(value, _SCALARS) or not any(type(value) is type(c) and value == c for c in choices):
         shown = ", ".join(str(c) for c in choices)
-        got = repr(value)[:40] if isinstance(value, _SCALARS) else kind(value)
+        got = quoted(value) if isinstance(value, _SCALARS) else kind(value)
         raise fail(param, f"{param} must be one of {shown}; got {got}")
     return value
 

@@ -15,6 +15,7 @@ import copy
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .. import protocol
 from . import fields
 from .audio import FORMAT_RATES
 from .errors import RealtimeError
@@ -102,7 +103,7 @@ def audio_format(value: Any, param: str) -> str:
     kind = fields.choice(value.get("type", "audio/pcm"), f"{param}.type", sorted(FORMAT_RATES))
     rate = value.get("rate")
     if rate is not None and (not isinstance(rate, (int, float)) or isinstance(rate, bool) or rate != FORMAT_RATES[kind]):
-        raise _fail(f"{param}.rate", f"{kind} is {FORMAT_RATES[kind]} Hz here, got rate {str(rate)[:20]}")
+        raise _fail(f"{param}.rate", f"{kind} is {FORMAT_RATES[kind]} Hz here, got rate {protocol.quoted(rate, 20)}")
     unknown = sorted(set(value) - {"type", "rate"})
     if unknown:
         key = fields.name(unknown[0])
@@ -161,7 +162,7 @@ def apply_update(config: SessionConfig, session: Any, max_prompt_chars: int = fi
             continue  # the served checkpoint is always used; echoed fields are not settable
         if key == "type":
             if value != "realtime":
-                raise _fail(param, f"only realtime sessions are served here (session.type 'realtime'), got {str(value)[:40]!r}")
+                raise _fail(param, f"only realtime sessions are served here (session.type 'realtime'), got {protocol.quoted(value)}")
         elif key == "instructions":
             changes["instructions"] = fields.string(value, param, optional=True, max_chars=max_prompt_chars)
         elif key == "output_modalities":
