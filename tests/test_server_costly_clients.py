@@ -179,3 +179,45 @@ def test_tiny_appends_reach_the_engine_in_whole_frames(pair, monkeypatch):
     assert pushes == [FRAME, FRAME, FRAME, 7], pushes  # not one engine call per append
     assert ready == [200, 200, 200]  # the other slot stays open
     pair.wait_slot_free()
+
+
+def test_a_message_of_too_many_values_is_refused_before_parsing(monkeypatch):
+    import gc
+    import json as json_module
+
+    from mlx_voicechat_plugin.server import protocol
+
+    at_limit = '{"type":"x","j":[' + ",".join(["0"] * (protocol.MAX_JSON_VALUES - 2)) + "]}"
+    assert len(protocol.parse_message(at_limit)["j"]) == protocol.MAX_JSON_VALUES - 2
+    over = '{"type":"x","j":[' + ",".join(["[]"] * 40_000) + "]}"
+    parsed, loads = [], json_module.loads
+    monkeypatch.setattr(protocol.json, "loads", lambda *a, **k: parsed.append(1) or loads(*a, **k))
+    with pytest.raises(protocol.ProtocolError) as refused:
+        protocol.parse_message(over)
+    assert refused.value.code == "invalid_request" and "65536 JSON values" in refused.value.message
+    assert parsed == []  # refused without being parsed
+    monkeypatch.undo()
+    # an append of the longest audio, or a prompt of commas within the limit, is not refused
+    assert protocol.parse_message('{"type":"t","p":"' + "," * 32_768 + '"}')["type"] == "t"
+    # the collector is paused only while parsing, and left as it was
+    assert gc.isenabled()
+    protocol.parse_message(at_limit)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        protocol.parse_message(at_limit)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_error_messages_quote_a_value_without_converting_it_whole():
+    from mlx_voicechat_plugin.server.protocol import ProtocolError, parse_append, quoted
+
+    assert quoted("x" * 100) == '"' + "x" * 40 + '"...'
+    assert quoted([[]] * 300_000) == "an array of 300000 values"
+    assert quoted({"a": 1}) == "an object of 1 key"
+    assert quoted(int("9" * 4300)) == "an integer of about 4300 digits"
+    assert (quoted(16000.5), quoted(True), quoted(None), quoted(123)) == ("16000.5", "true", "null", "123")
+    with pytest.raises(ProtocolError, match="got an array of 2 values"):
+        parse_append({"type": "input_audio_buffer.append", "audio": "", "sample_rate": [1, 2]})
