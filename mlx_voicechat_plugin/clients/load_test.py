@@ -309,7 +309,9 @@ async def scrape(url: str, timeout: float = 10.0) -> dict[str, float]:
 
     def fetch() -> None:
         try:
-            outcome = (True, _fetch_metrics(address, max(0.1, timeout)))
+            # the socket's own timeout a little later than the deadline below, so that a
+            # silent server is always reported by that deadline ("no complete answer")
+            outcome = (True, _fetch_metrics(address, max(0.1, timeout) + 1.0))
         except OSError as error:
             outcome = (False, error)
         try:
