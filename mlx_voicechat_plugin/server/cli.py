@@ -352,7 +352,14 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
     )
     print(f"loading {model_path} ...", file=sys.stderr, flush=True)
     try:
-        engine.start()
+        try:
+            engine.start()
+        except RuntimeError as error:
+            # A signal landing inside the wait's lock bookkeeping surfaces as CPython's
+            # "release unlocked lock" with the interrupt as its context: still the signal.
+            if isinstance(error.__context__, (KeyboardInterrupt, Terminated)):
+                raise error.__context__ from None
+            raise
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return finish(EXIT_FAILURE)
