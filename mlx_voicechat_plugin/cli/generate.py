@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from ..exit_codes import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STATUS_HELP, EXIT_USAGE
-from ..prompt_limit import MAX_PROMPT_TOKENS, PROMPT_TOKENS_CEILING
+from ..prompt_limit import MAX_PROMPT_TOKENS, PROMPT_TOKENS_CEILING, check_prompt_tokens
 from ..seed import is_seed
 from ..unicode_text import lone_surrogate
 from . import OFFLINE_COMMAND, chat_refusal  # noqa: F401 - chat_refusal: part of the CLI API
@@ -132,8 +132,10 @@ def _check_arguments(args) -> list[str]:
         )
     if not is_seed(args.seed):
         raise UsageError("--seed must be an integer in [0, 2**64)")
-    if not 1 <= args.max_prompt_tokens <= PROMPT_TOKENS_CEILING:
-        raise UsageError(f"--max-prompt-tokens must be between 1 and {PROMPT_TOKENS_CEILING}, got {args.max_prompt_tokens}")
+    try:
+        check_prompt_tokens(args.max_prompt_tokens, "--max-prompt-tokens")
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     limit = args.max_streaming_seconds
     if limit is not None and (not math.isfinite(limit) or limit <= 0):
         raise UsageError(f"--max-streaming-seconds must be a positive, finite number of seconds, got {limit:g}")

@@ -189,18 +189,17 @@ class Connection:
                         ("error", ProtocolError(INVALID_REQUEST, "binary frames are not supported; send JSON text frames"))
                     )
                     continue
+                with self.cpu.measure():  # encoding a large text costs too
+                    too_big = len(text) > limit or len(text.encode("utf-8")) > limit
+                if too_big:
+                    await self._enqueue(("too_big", None))
+                    break
                 try:
                     with self.cpu.measure():
-                        if len(text) > limit or len(text.encode("utf-8")) > limit:
-                            message = None
-                        else:
-                            message = protocol.parse_message(text)
+                        message = protocol.parse_message(text)
                 except ProtocolError as error:
                     await self._enqueue(("error", error))
                     continue
-                if message is None:
-                    await self._enqueue(("too_big", None))
-                    break
                 self._read_seq += 1
                 self._note_read(message)
                 # the frame text is queued (parsed again when handled): what a queued
