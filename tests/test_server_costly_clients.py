@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from mlx_voicechat_plugin.server.cpu_budget import CpuBudget
+from mlx_voicechat_plugin.server import protocol
+from mlx_voicechat_plugin.server.cpu_budget import CpuBudget, CpuLedger, client_key
 from mlx_voicechat_plugin.server.engine import RealtimeEngine
 
 from .test_server_support import FRAME, ServerHandle, append, http, server_settings
@@ -34,6 +35,72 @@ def test_the_budget_grants_its_share_and_its_burst():
         CpuBudget(share=0.0)
     with pytest.raises(ValueError):
         CpuBudget(burst=0.0)
+
+
+def test_a_budget_may_start_below_full():
+    now = [0.0]
+    assert CpuBudget(share=0.1, burst=0.05, clock=lambda: now[0], tokens=-0.1).delay() == pytest.approx(1.0)
+    assert CpuBudget(share=0.1, burst=0.05, clock=lambda: now[0], tokens=9.0).level() == 0.05  # capped
+
+
+def test_the_ledger_carries_a_clients_budget_over_to_its_next_connection():
+    now = [0.0]
+    ledger = CpuLedger(share=0.1, burst=0.05, clock=lambda: now[0])
+    first = ledger.open("10.0.0.1")
+    assert first.level() == 0.05  # a client it does not know starts full
+    first.charge(0.15)  # 0.1 s in debt when it closes
+    ledger.close("10.0.0.1", first)
+    now[0] = 0.4
+    again = ledger.open("10.0.0.1")  # reconnecting does not refill the bucket
+    assert again.delay() == pytest.approx(0.6)
+    assert ledger.open("10.0.0.2").delay() == 0.0  # another address is not charged
+    assert ledger.open("::ffff:10.0.0.1").delay() == pytest.approx(0.6)  # the same IPv4 client
+    # of two records the lower stands: an honest connection closing full does not wipe it
+    ledger.close("10.0.0.1", CpuBudget(share=0.1, burst=0.05, clock=lambda: now[0]))
+    assert ledger.open("10.0.0.1").delay() == pytest.approx(0.6)
+    now[0] = 100.0  # refilled: forgotten
+    assert ledger.open("10.0.0.1").level() == 0.05
+    assert len(ledger) == 0
+
+
+def test_the_ledger_files_ipv6_clients_by_their_64_prefix_and_stays_bounded():
+    assert client_key("2001:db8::1") == client_key("2001:db8::ffff:9") == "2001:db8::/64"
+    assert client_key("2001:db8:0:1::1") != client_key("2001:db8::1")
+    assert client_key("::ffff:192.0.2.7") == "192.0.2.7"
+    assert client_key("fe80::1%eth0") == "fe80::/64"
+    assert client_key(None) is None and client_key("") is None
+    assert client_key("testclient") == "testclient"  # a name, as given
+    now = [0.0]
+    ledger = CpuLedger(share=0.1, burst=0.05, entries=3, clock=lambda: now[0])
+    for index in range(5):
+        budget = ledger.open(f"10.0.0.{index}")
+        budget.charge(1.0)
+        ledger.close(f"10.0.0.{index}", budget)
+    assert len(ledger) == 3  # the oldest records went first
+    assert ledger.open("10.0.0.0").delay() == 0.0 and ledger.open("10.0.0.4").delay() > 0
+    unknown = ledger.open(None)  # an unknown client: a budget of its own, never recorded
+    unknown.charge(1.0)
+    ledger.close(None, unknown)
+    assert len(ledger) == 3
+    with pytest.raises(ValueError):
+        CpuLedger(entries=0)
+    with pytest.raises(ValueError):
+        CpuLedger(share=2.0)
+
+
+def test_a_costly_parse_collects_the_objects_it_built_before_returning():
+    """The young-generation collection a parse of thousands of arrays sets off runs inside
+    the parse (charged to the sender), not at the next allocation of whichever thread."""
+    import gc
+
+    if not gc.isenabled():
+        pytest.skip("the garbage collector is off in this process")
+    text = '{"type":"x","j":[' + ",".join(["[]"] * 32_000) + "]}"
+    gc.collect()
+    message = protocol.parse_message(text)
+    assert len(message["j"]) == 32_000
+    assert gc.get_count()[0] <= protocol.YOUNG_COLLECT_FACTOR * gc.get_threshold()[0], gc.get_count()
+    assert gc.isenabled()
 
 
 def test_measure_charges_this_threads_cpu_time():
@@ -152,6 +219,31 @@ def test_costly_json_from_one_client_does_not_make_another_late(pair, alone, pay
     assert p95 < alone + 0.08, (alone, p95, latencies)
     count, refused = answered.split()
     assert int(count) > 0 and refused == "True"  # each costly message answered with an error
+    _wait_all_slots_free(pair)
+
+
+def test_reconnecting_does_not_refill_a_clients_parse_budget(pair, monkeypatch):
+    """A client that spent its budget and reconnects starts the new connection in the same
+    state (the server's ledger, per client address), not with a full bucket."""
+    # a fiftieth of a core: refilling 50 ms takes 2.5 s, far longer than reconnecting
+    ledger = CpuLedger(share=0.02)
+    monkeypatch.setattr(pair.app.state, "cpu_ledger", ledger)
+    costly = '{"type":"x","j":[' + ",".join(["[]"] * 32_000) + "]}"
+    with pair.connect() as client:
+        client.recv_type("session.created")
+        for _ in range(60):  # tens of ms of parsing: past the 50 ms burst with both parses
+            client.send(costly)
+        for _ in range(60):
+            client.recv_error("invalid_request", timeout=60)
+        spent = next(iter(pair.app.state.connections)).cpu
+        assert spent.charged > spent.burst, spent.charged
+    _wait_all_slots_free(pair)
+    assert len(ledger) == 1  # the loopback client's record
+    with pair.connect() as client:
+        client.recv_type("session.created")
+        (connection,) = pair.app.state.connections
+        # what it left, refilled for the time since: well short of full
+        assert connection.cpu.level() < connection.cpu.burst / 2, connection.cpu.level()
     _wait_all_slots_free(pair)
 
 

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocket
 
 from .connection import Connection
+from .cpu_budget import CpuLedger
 from .engine import RealtimeEngine
 from .openai import dialect as openai_dialect
 from .openai.connection import OpenAIConnection
@@ -97,6 +98,9 @@ def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engin
     app.state.settings = settings
     app.state.engine = engine
     app.state.connections = set()  # the open realtime connections (SIGTERM, tests)
+    # each connection's parse budget, carried over per client address (a client cannot
+    # reset its budget by reconnecting)
+    app.state.cpu_ledger = CpuLedger()
     app.add_middleware(HostGuardMiddleware, allowed_hosts=settings.allowed_hosts)
     realtime_path = settings.path("/v1/realtime")
 
@@ -120,12 +124,15 @@ def create_app(settings: ServerSettings, engine: RealtimeEngine, *, manage_engin
             await _deny(websocket, 401, "missing or wrong API key (send Authorization: Bearer <key>)")
             return
         await websocket.accept(subprotocol=(dialect.accepted_subprotocol if dialect else accepted_subprotocol)(offered))
-        connection = (OpenAIConnection if dialect else Connection)(websocket, engine, settings)
+        host = websocket.client.host if websocket.client else None
+        ledger = app.state.cpu_ledger
+        connection = (OpenAIConnection if dialect else Connection)(websocket, engine, settings, cpu=ledger.open(host))
         app.state.connections.add(connection)
         try:
             await connection.run()
         finally:
             app.state.connections.discard(connection)
+            ledger.close(host, connection.cpu)
 
     @app.api_route(realtime_path, methods=["GET", "HEAD"])
     async def realtime_without_upgrade():

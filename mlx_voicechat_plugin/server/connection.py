@@ -24,7 +24,8 @@ Hostile clients (``docs/protocol.md``, "Limits"):
 * the CPU the event loop spends parsing a client's messages is charged to it
   (:class:`~.cpu_budget.CpuBudget`): a client whose messages cost more than about a tenth of
   a core is read more slowly, so valid but costly JSON cannot starve the engine thread and
-  the other callers.
+  the other callers; the app carries the budget over to the client's next connection
+  (:class:`~.cpu_budget.CpuLedger`), so reconnecting does not refill it.
 
 Appends of the default dialect reach the engine in whole 80 ms frames: a shorter remainder
 waits at the connection (:attr:`Connection.carry`) for the next append, and a commit hands
@@ -78,7 +79,9 @@ class Connection:
     #: Messages that stop a running append at the next slice boundary.
     cancel_types = CANCEL_TYPES
 
-    def __init__(self, websocket: WebSocket, engine: RealtimeEngine, settings: ServerSettings):
+    def __init__(
+        self, websocket: WebSocket, engine: RealtimeEngine, settings: ServerSettings, cpu: CpuBudget | None = None
+    ):
         self.websocket = websocket
         self.engine = engine
         self.settings = settings
@@ -118,8 +121,9 @@ class Connection:
         # When the message being handled was read from the socket (an append's frames are
         # due from then on: the engine's lag clock, :mod:`.lag_clock`).
         self.message_read_at = self.connected_at
-        # The CPU its messages cost to parse on the event loop (both parses charged).
-        self.cpu = CpuBudget()
+        # The CPU its messages cost to parse on the event loop (both parses charged); the
+        # app passes one carried over from the client's earlier connections (CpuLedger).
+        self.cpu = cpu if cpu is not None else CpuBudget()
         # Appended samples short of a whole frame, not yet handed to the engine.
         self.carry = np.zeros(0, np.float32)
 

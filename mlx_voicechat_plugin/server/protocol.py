@@ -100,13 +100,25 @@ def _json_integer(digits: str) -> int | float:
 #: character were a comma); 1 MiB of ``[]`` would be 350,000 values, each a Python object to
 #: build and free on the event loop.
 MAX_JSON_VALUES = 65_536
+#: A parse that leaves the youngest GC generation this many times past its threshold
+#: collects it at once (:func:`_collector_paused`).
+YOUNG_COLLECT_FACTOR = 2
 
 
 @contextlib.contextmanager
 def _collector_paused():
     """Python's cyclic garbage collector off for the block (on again after it, if it was):
     building a parsed message's objects would otherwise trigger collections that scan the
-    whole heap, most of a costly message's parse time."""
+    whole heap, most of a costly message's parse time.
+
+    When the block leaves the youngest generation well past its threshold (a message of
+    thousands of arrays or objects), that generation is collected at once, here: the
+    caller is charging this thread's time to the message's sender
+    (:class:`~.cpu_budget.CpuBudget`), and otherwise the collection would run at the next
+    allocation of any thread (the engine's included), charged to nobody, and push the
+    survivors on towards the full collections that stall every caller
+    (``docs/server.md``, "Costly messages").
+    """
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -114,6 +126,8 @@ def _collector_paused():
     finally:
         if enabled:
             gc.enable()
+            if gc.get_count()[0] > YOUNG_COLLECT_FACTOR * gc.get_threshold()[0]:
+                gc.collect(0)
 
 
 def parse_message(text: str) -> dict:

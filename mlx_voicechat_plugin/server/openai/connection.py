@@ -53,8 +53,8 @@ class OpenAIConnection(Connection):
     #: aside per cancel stays small).
     EARLY_CANCEL_ID_CHARS = 256
 
-    def __init__(self, websocket, engine, settings):
-        super().__init__(websocket, engine, settings)
+    def __init__(self, websocket, engine, settings, cpu=None):
+        super().__init__(websocket, engine, settings, cpu)
         self.config = SessionConfig()
         self.timeline = Timeline(self.config)
         self.opened = False
