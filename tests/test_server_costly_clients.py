@@ -61,6 +61,18 @@ def test_the_ledger_carries_a_clients_budget_over_to_its_next_connection():
     now[0] = 100.0  # refilled: forgotten
     assert ledger.open("10.0.0.1").level() == 0.05
     assert len(ledger) == 0
+    # records that have refilled are dropped as others are written, oldest first
+    for index, when in enumerate((200.0, 200.0, 200.5)):
+        now[0] = when
+        budget = ledger.open(f"10.0.1.{index}")
+        budget.charge(0.06)  # 10 ms in debt: full again 0.6 s later
+        ledger.close(f"10.0.1.{index}", budget)
+    assert len(ledger) == 3
+    now[0] = 201.0  # the first two have refilled, the third not yet
+    budget = ledger.open("10.0.1.9")
+    budget.charge(0.06)
+    ledger.close("10.0.1.9", budget)
+    assert len(ledger) == 2
 
 
 def test_the_ledger_files_ipv6_clients_by_their_64_prefix_and_stays_bounded():

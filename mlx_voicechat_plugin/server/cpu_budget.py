@@ -36,9 +36,9 @@ import contextlib
 import ipaddress
 import time
 
-#: Average share of one core a connection's message parsing may take.
+#: Average share of one core a client's message parsing may take.
 CPU_SHARE = 0.1
-#: CPU seconds a connection may spend parsing in a burst before it waits.
+#: CPU seconds a client may spend parsing in a burst before it waits.
 CPU_BURST = 0.05
 #: Client addresses a :class:`CpuLedger` remembers at most (the oldest entry goes first).
 LEDGER_ENTRIES = 10_000
@@ -188,3 +188,6 @@ class CpuLedger:
         self._levels.move_to_end(key)
         while len(self._levels) > self.entries:
             self._levels.popitem(last=False)
+        # the records are in the order they were written: the oldest refill first
+        while self._levels and self._level(next(iter(self._levels)), now) is None:
+            pass
