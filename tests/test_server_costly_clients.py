@@ -48,16 +48,16 @@ def test_the_ledger_carries_a_clients_budget_over_to_its_next_connection():
     ledger = CpuLedger(share=0.1, burst=0.05, clock=lambda: now[0])
     first = ledger.open("10.0.0.1")
     assert first.level() == 0.05  # a client it does not know starts full
-    first.charge(0.15)  # 0.1 s in debt when it closes
+    first.charge(0.15)  # 0.1 s in debt when it closes: one burst (0.05 s) is carried over
     ledger.close("10.0.0.1", first)
-    now[0] = 0.4
+    now[0] = 0.2
     again = ledger.open("10.0.0.1")  # reconnecting does not refill the bucket
-    assert again.delay() == pytest.approx(0.6)
+    assert again.delay() == pytest.approx(0.3)  # -0.05 + 0.2 s x 0.1, repaid in 0.3 s
     assert ledger.open("10.0.0.2").delay() == 0.0  # another address is not charged
-    assert ledger.open("::ffff:10.0.0.1").delay() == pytest.approx(0.6)  # the same IPv4 client
+    assert ledger.open("::ffff:10.0.0.1").delay() == pytest.approx(0.3)  # the same IPv4 client
     # of two records the lower stands: an honest connection closing full does not wipe it
     ledger.close("10.0.0.1", CpuBudget(share=0.1, burst=0.05, clock=lambda: now[0]))
-    assert ledger.open("10.0.0.1").delay() == pytest.approx(0.6)
+    assert ledger.open("10.0.0.1").delay() == pytest.approx(0.3)
     now[0] = 100.0  # refilled: forgotten
     assert ledger.open("10.0.0.1").level() == 0.05
     assert len(ledger) == 0
@@ -82,6 +82,7 @@ def test_the_ledger_files_ipv6_clients_by_their_64_prefix_and_stays_bounded():
     assert client_key("fe80::1%eth0") == "fe80::/64"
     assert client_key(None) is None and client_key("") is None
     assert client_key("testclient") == "testclient"  # a name, as given
+    assert client_key("x" * 8000) == "x" * 255  # cut to a DNS name's length
     now = [0.0]
     ledger = CpuLedger(share=0.1, burst=0.05, entries=3, clock=lambda: now[0])
     for index in range(5):
@@ -234,12 +235,15 @@ def test_costly_json_from_one_client_does_not_make_another_late(pair, alone, pay
     _wait_all_slots_free(pair)
 
 
-def test_reconnecting_does_not_refill_a_clients_parse_budget(pair, monkeypatch):
+def test_reconnecting_does_not_refill_a_clients_parse_budget(pair):
     """A client that spent its budget and reconnects starts the new connection in the same
     state (the server's ledger, per client address), not with a full bucket."""
     # a fiftieth of a core: refilling 50 ms takes 2.5 s, far longer than reconnecting
-    ledger = CpuLedger(share=0.02)
-    monkeypatch.setattr(pair.app.state, "cpu_ledger", ledger)
+    with _Swapped(pair, CpuLedger(share=0.02)) as ledger:
+        _reconnect_in_debt(pair, ledger)
+
+
+def _reconnect_in_debt(pair, ledger) -> None:
     costly = '{"type":"x","j":[' + ",".join(["[]"] * 32_000) + "]}"
     with pair.connect() as client:
         client.recv_type("session.created")
@@ -257,6 +261,104 @@ def test_reconnecting_does_not_refill_a_clients_parse_budget(pair, monkeypatch):
         # what it left, refilled for the time since: well short of full
         assert connection.cpu.level() < connection.cpu.burst / 2, connection.cpu.level()
     _wait_all_slots_free(pair)
+
+
+class _Swapped:
+    """The app's CPU ledger replaced for a ``with`` block (a test's own share and burst)."""
+
+    def __init__(self, server, ledger):
+        self.state, self.ledger = server.app.state, ledger
+
+    def __enter__(self):
+        self.saved, self.state.cpu_ledger = self.state.cpu_ledger, self.ledger
+        return self.ledger
+
+    def __exit__(self, *exc):
+        self.state.cpu_ledger = self.saved
+
+
+class _Recording(CpuBudget):
+    """A budget that remembers its lowest level and its largest single charge."""
+
+    lowest = 0.0
+    largest = 0.0
+
+    def charge(self, seconds: float) -> None:
+        super().charge(seconds)
+        self.largest = max(self.largest, seconds)
+        self.lowest = min(self.lowest, self.level())
+
+
+class _RecordingLedger(CpuLedger):
+    def open(self, host):
+        self.budget = _Recording(self.share, self.burst, self._clock)
+        return self.budget
+
+
+def test_messages_read_ahead_during_an_append_are_not_parsed_again_back_to_back(pair):
+    """While a long append keeps the handler busy the reader reads costly messages ahead
+    (within the budget); the handler's second parse of each waits for the budget too, so
+    the connection never runs more than about one message's parsing in debt."""
+    digits = str(5**1075)  # 2**-1075 exactly: halfway between 0 and the least float, slow to round
+    halfway = f"{digits[0]}.{digits[1:]}e-{1075 - len(digits) + 1}"
+    with _Swapped(pair, _RecordingLedger()) as ledger, pair.connect() as client:
+        client.configure()
+        costly = '{"type":"x","j":[' + ",".join([halfway] * 200) + "]}"  # a few ms a parse
+        samples = np.random.default_rng(2).uniform(-0.3, 0.3, 100 * FRAME).astype(np.float32)
+        client.send(append(samples))  # 8 s of audio: the handler is busy for a while
+        for _ in range(20):
+            client.send(costly)
+        errors = 0
+        while errors < 20:
+            event = client.recv(timeout=120)
+            errors += event["type"] == "error"
+        budget = ledger.budget
+        # without the wait: the twenty second parses back to back, twenty charges deep
+        assert budget.lowest > -3 * budget.largest, (budget.lowest, budget.largest)
+        client.send({"type": "session.cancel"})
+        client.until_closed()
+    _wait_all_slots_free(pair)
+
+
+def test_every_frame_received_is_charged_by_its_size(pair):
+    """Receiving a frame costs the event loop before any parse: a binary frame (refused,
+    never parsed) is charged too, so a client cannot flood it with them for free."""
+    from mlx_voicechat_plugin.server.cpu_budget import RECEIVE_CPU_PER_BYTE
+
+    with _Swapped(pair, _RecordingLedger()) as ledger, pair.connect() as client:
+        client.recv_type("session.created")
+        for _ in range(4):
+            client.send(bytes(512 * 1024))
+            client.recv_error("invalid_request")
+        assert ledger.budget.charged >= 4 * 512 * 1024 * RECEIVE_CPU_PER_BYTE
+    _wait_all_slots_free(pair)
+
+
+def test_a_client_that_leaves_in_debt_gives_its_slot_back_at_once(pair):
+    """A connection waiting out its parse debt notices its client leave (the transport's
+    connection-lost callback) instead of sleeping on with the slot held. (A client that
+    leaves with messages still unread behind one in debt is seen to go once they are read:
+    its debt is at most about one message's parsing, half a second at the default share.)"""
+    from .test_server_support import RawClient
+
+    costly = '{"type":"x","j":[' + ",".join(["[]"] * 32_000) + "]}"
+    # a thousandth of a core: every millisecond of debt is a second of waiting
+    with _Swapped(pair, CpuLedger(share=0.001, burst=0.005)):
+        raw = RawClient("127.0.0.1", pair.port, "/v1/realtime")
+        assert raw.status == 101
+        assert raw.recv_json()["type"] == "session.created"
+        deadline = time.monotonic() + 30
+        while True:  # one message at a time, until the connection is a second in debt
+            raw.send_text(costly)
+            assert raw.recv_json()["type"] == "error"
+            (connection,) = pair.app.state.connections
+            if connection.cpu.delay() > 1.0:
+                break
+            assert time.monotonic() < deadline, "the client never got into debt"
+        raw.sock.close()  # gone, without a close frame
+        left = time.monotonic()
+        _wait_all_slots_free(pair, timeout=30)
+        assert time.monotonic() - left < 0.8
 
 
 def test_tiny_appends_reach_the_engine_in_whole_frames(pair, monkeypatch):

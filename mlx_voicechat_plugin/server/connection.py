@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 
@@ -46,7 +47,7 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import protocol
-from .cpu_budget import CpuBudget
+from .cpu_budget import RECEIVE_CPU_PER_BYTE, CpuBudget
 from .engine import RealtimeEngine, Reply
 from .inbox import Inbox, append_samples, held_bytes
 from .protocol import (
@@ -177,7 +178,6 @@ class Connection:
         limit = self.settings.max_message_bytes
         try:
             while True:
-                await self.cpu.settle()  # a client in debt is read later (TCP pushes back)
                 frame = await self.websocket.receive()
                 if frame["type"] == "websocket.disconnect":
                     self.gone = True
@@ -185,6 +185,11 @@ class Connection:
                     break
                 self.last_message_at = time.monotonic()
                 text, data = frame.get("text"), frame.get("bytes")
+                # receiving the frame cost the event loop too (assembly, unmasking, UTF-8)
+                self.cpu.charge(RECEIVE_CPU_PER_BYTE * len(text if text is not None else data or b""))
+                if not await self.settle():  # a client in debt is read later (TCP pushes back)
+                    self.gone = True  # it left meanwhile
+                    break
                 if text is None:
                     if data is not None and len(data) > limit:
                         await self._enqueue(("too_big", None))
@@ -216,6 +221,19 @@ class Connection:
             self.gone = True
             self._client_left()
         await self._enqueue(("disconnect", None))
+
+    async def settle(self) -> bool:
+        """Wait while this client's parse budget is in debt (:attr:`cpu`); returns False
+        when the client left meanwhile (the transport's connection-lost callback), so that
+        a client gone in debt gives its slot back at once rather than once the debt is
+        repaid."""
+        wait = self.cpu.delay()
+        if wait <= 0:
+            return True
+        if not self._left.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._left.wait(), wait)
+        return not self._left.is_set()
 
     def _note_read(self, message: dict) -> None:
         """Bookkeeping for a message just read (number ``self._read_seq``), before it is
@@ -314,6 +332,10 @@ class Connection:
                     await self._after_item()
                     continue
                 text, self.message_read_at = value
+                # the second parse waits for the budget too: messages read ahead while an
+                # append ran are not parsed again back to back
+                if not await self.settle():
+                    break
                 with self.cpu.measure():
                     value = protocol.parse_message(text)  # parsed once already by the reader
                 self._dispatched_seq += 1  # "message" items are dispatched in reading order
