@@ -17,6 +17,9 @@ from mlx_voicechat_plugin.server.engine import RealtimeEngine
 
 from .test_server_support import FRAME, ServerHandle, append, http, server_settings
 
+#: A valid message of 32,000 empty arrays (just under the value limit): costly to parse.
+ARRAYS = '{"type":"x","j":[' + ",".join(["[]"] * 32_000) + "]}"
+
 
 def test_the_budget_grants_its_share_and_its_burst():
     now = [0.0]
@@ -108,9 +111,8 @@ def test_a_costly_parse_collects_the_objects_it_built_before_returning():
 
     if not gc.isenabled():
         pytest.skip("the garbage collector is off in this process")
-    text = '{"type":"x","j":[' + ",".join(["[]"] * 32_000) + "]}"
     gc.collect()
-    message = protocol.parse_message(text)
+    message = protocol.parse_message(ARRAYS)
     assert len(message["j"]) == 32_000
     assert gc.get_count()[0] <= protocol.YOUNG_COLLECT_FACTOR * gc.get_threshold()[0], gc.get_count()
     assert gc.isenabled()
@@ -244,11 +246,10 @@ def test_reconnecting_does_not_refill_a_clients_parse_budget(pair):
 
 
 def _reconnect_in_debt(pair, ledger) -> None:
-    costly = '{"type":"x","j":[' + ",".join(["[]"] * 32_000) + "]}"
     with pair.connect() as client:
         client.recv_type("session.created")
         for _ in range(60):  # tens of ms of parsing: past the 50 ms burst with both parses
-            client.send(costly)
+            client.send(ARRAYS)
         for _ in range(60):
             client.recv_error("invalid_request", timeout=60)
         spent = next(iter(pair.app.state.connections)).cpu
@@ -290,8 +291,8 @@ class _Recording(CpuBudget):
 
 
 class _RecordingLedger(CpuLedger):
-    def open(self, host):
-        self.budget = _Recording(self.share, self.burst, self._clock)
+    def open(self, host):  # a fresh ledger, on the default clock: every budget starts full
+        self.budget = _Recording(self.share, self.burst)
         return self.budget
 
 
@@ -341,7 +342,6 @@ def test_a_client_that_leaves_in_debt_gives_its_slot_back_at_once(pair):
     its debt is at most about one message's parsing, half a second at the default share.)"""
     from .test_server_support import RawClient
 
-    costly = '{"type":"x","j":[' + ",".join(["[]"] * 32_000) + "]}"
     # a thousandth of a core: every millisecond of debt is a second of waiting
     with _Swapped(pair, CpuLedger(share=0.001, burst=0.005)):
         raw = RawClient("127.0.0.1", pair.port, "/v1/realtime")
@@ -349,7 +349,7 @@ def test_a_client_that_leaves_in_debt_gives_its_slot_back_at_once(pair):
         assert raw.recv_json()["type"] == "session.created"
         deadline = time.monotonic() + 30
         while True:  # one message at a time, until the connection is a second in debt
-            raw.send_text(costly)
+            raw.send_text(ARRAYS)
             assert raw.recv_json()["type"] == "error"
             (connection,) = pair.app.state.connections
             if connection.cpu.delay() > 1.0:

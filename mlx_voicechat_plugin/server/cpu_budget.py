@@ -193,6 +193,9 @@ class CpuLedger:
         self._levels.move_to_end(key)
         while len(self._levels) > self.entries:
             self._levels.popitem(last=False)
-        # the records are in the order they were written: the oldest refill first
-        while self._levels and self._level(next(iter(self._levels)), now) is None:
-            pass
+        # the records are in the order they were written: drop the oldest while they have
+        # refilled (_level forgets a refilled record), stop at the first that has not
+        while self._levels:
+            oldest = next(iter(self._levels))
+            if self._level(oldest, now) is not None:
+                break
