@@ -96,6 +96,72 @@ def test_budget_off_and_bad_fractions():
             TickBudget(fraction=bad)
 
 
+def _growing(horizon: int = 7500, fraction: float = 0.5, clock=None) -> TickBudget:
+    """A budget whose warm-up saw 1 row at 12 ms and 2 rows at 20 ms, and 2 rows at 50 ms
+    with every session's caches ``horizon`` frames longer: 30 ms of growth over a call."""
+    budget = TickBudget(fraction=fraction, horizon_frames=horizon, clock=clock or Clock())  # 40 ms
+    for _ in range(3):
+        budget.observe(1, 0.012, warm_up=True)
+        budget.observe(2, 0.020, warm_up=True)
+        budget.observe_extended(2, 0.050, 7500)
+    return budget
+
+
+def test_budget_growth_per_frame_from_the_extended_warm_up():
+    budget = _growing()
+    assert budget.growth(2) == pytest.approx(0.030 / 7500)
+    # a size not extended: the nearest extended size's growth per row
+    assert budget.growth(1) == pytest.approx(0.015 / 7500) and budget.growth(4) == pytest.approx(0.060 / 7500)
+    assert TickBudget().growth(2) is None  # nothing extended
+    budget.observe_extended(2, 0.030, 3750)  # a new length replaces the old measure
+    assert budget.growth(2) is None  # until it has enough ticks
+    budget.observe_extended(2, 0.030, 3750)
+    budget.observe_extended(2, 0.030, 3750)
+    assert budget.growth(2) == pytest.approx(0.010 / 3750)
+    budget.observe_extended(3, 0.001, 10)  # faster than without: no negative growth
+    for _ in range(3):
+        budget.observe(3, 0.020, warm_up=True)
+        budget.observe_extended(3, 0.001, 10)
+    assert budget.growth(3) == 0.0
+
+
+def test_budget_projects_the_tick_to_the_end_of_the_calls():
+    budget = _growing()
+    # two sessions starting together: 20 ms now, 50 ms when both are 600 s in
+    assert budget.projected([7500, 7500]) == pytest.approx(0.050) and not budget.admits(2)
+    assert budget.projected([None, None]) == pytest.approx(0.050)  # unbounded: the horizon
+    assert budget.projected([10**6, None]) == pytest.approx(0.050)  # capped at the horizon
+    # one half-way through its call: at most 20 + 15 ms while both run, then 12 + 15 alone
+    assert budget.projected([3750, 7500]) == pytest.approx(0.035) and budget.admits(2, [3750, 7500])
+    # one about to end: the joining session's own growth decides
+    assert budget.projected([10, 7500]) == pytest.approx(0.027)
+    # without a horizon: the tick as it is now (the warm-up's 20 ms)
+    now = TickBudget(fraction=0.5, horizon_frames=0)
+    for _ in range(3):
+        now.observe(2, 0.020, warm_up=True)
+        now.observe_extended(2, 0.050, 7500)
+    assert now.projected([7500, 7500]) == pytest.approx(0.020) and now.admits(2)
+
+
+def test_budget_growth_scales_with_the_live_slowdown():
+    clock = Clock()
+    budget = _growing(fraction=0.9, clock=clock)  # 72 ms
+    assert budget.admits(2)  # 50 ms after a whole call
+    for _ in range(5):
+        clock.now += 0.08
+        budget.observe(2, 0.030)  # the live ticks run 1.5x the warm-up's
+    assert budget.p95(2) == pytest.approx(0.030)
+    assert budget.projected([7500, 7500]) == pytest.approx(0.030 + 1.5 * 0.030) and not budget.admits(2)
+
+
+def test_budget_horizon_and_frames_left_are_checked():
+    for bad in (-1, 1.5, True, "7500"):
+        with pytest.raises(ValueError):
+            TickBudget(horizon_frames=bad)
+    with pytest.raises(ValueError, match="2 entries for 3 sessions"):
+        _growing().admits(3, [7500, 7500])
+
+
 def _a_ready_b_due(clock: Clock) -> TickGather:
     """Sessions a and b ticked together; 50 ms later a's next frame is in, b's not yet."""
     gather = TickGather(0.08, clock=clock)

@@ -83,8 +83,12 @@ def test_the_tick_budget_refuses_below_max_sessions(tiny):
         assert engine.budget.warmed_sizes == [1, 2]  # the warm-up stops at the first size over budget
         # The start reports its steps: the load, each warmed size with its median tick, the stop.
         assert lines[0].startswith("loaded in ") and lines[1].startswith("warming up batch sizes 1-3")
-        assert re.fullmatch(r"  1 session: median tick \d+\.\d ms", lines[2]), lines
-        assert re.fullmatch(r"  2 sessions: median tick \d+\.\d ms, over the tick budget \(0\.1 ms\): no more sizes", lines[3]), lines
+        # ... and, with the default horizon (the whole call), the tick 600 s into the sessions
+        assert re.fullmatch(r"  1 session: median tick \d+\.\d ms, \d+\.\d ms after 600 s of talk", lines[2]), lines
+        assert re.fullmatch(
+            r"  2 sessions: median tick \d+\.\d ms, \d+\.\d ms after 600 s of talk, over the tick budget \(0\.1 ms\): no more sizes",
+            lines[3],
+        ), lines
         assert lines[4].startswith("warm-up done in ") and len(lines) == 5 and engine.phase == "serving"
         with ServerHandle(server_settings(tiny), engine) as server:
             assert http("GET", server.http_url("/ready"))[0] == 200
@@ -107,6 +111,115 @@ def test_the_tick_budget_refuses_below_max_sessions(tiny):
                 assert first.until_closed()[1] == 1000
             server.wait_slot_free()
             assert http("GET", server.http_url("/ready"))[0] == 200
+    finally:
+        engine.stop()
+
+
+def _growth_seeded(engine: RealtimeEngine) -> None:
+    """Warm-up figures where two sessions fit now (10 / 11 ms) but not 600 s into both calls
+    (11 ms + 69 ms of growth, over the 72 ms budget)."""
+    for _ in range(3):
+        engine.budget.observe(1, 0.010, warm_up=True)
+        engine.budget.observe(2, 0.011, warm_up=True)
+        engine.budget.observe_extended(1, 0.012, 7500)
+        engine.budget.observe_extended(2, 0.080, 7500)
+
+
+def _frame_answered(client) -> None:
+    client.send(append(np.zeros(FRAME, np.float32)))
+    while client.recv(timeout=60)["type"] != "response.audio.delta":
+        pass
+
+
+@pytest.mark.parametrize("first_limit, admitted", [(None, False), (1.0, True)])
+def test_admission_looks_ahead_to_the_end_of_the_running_calls(tiny, first_limit, admitted):
+    """With the default horizon a second caller is refused while the first has its whole
+    call ahead (both sessions 600 s in would be over budget), and admitted beside a first
+    session that ends within a second (then the new session runs alone)."""
+    engine = _engine(tiny, max_sessions=2, warm_up=False)
+    try:
+        _growth_seeded(engine)
+        with ServerHandle(server_settings(tiny), engine) as server:
+            with server.connect() as first:
+                first.configure(seed=0, **({} if first_limit is None else {"max_streaming_seconds": first_limit}))
+                _frame_answered(first)  # the engine has published the first session's frames left
+                assert (http("GET", server.http_url("/ready"))[0] == 200) is admitted
+                with server.connect() as second:
+                    if admitted:
+                        second.configure(seed=1)
+                        _frame_answered(second)
+                        second.send({"type": "session.cancel"})
+                        second.until_closed()
+                    else:
+                        event = second.recv()
+                        while event["type"] != "error":
+                            event = second.recv()
+                        assert event["error"]["code"] == "server_busy"
+                        assert "real-time capacity" in event["error"]["message"]
+                first.send({"type": "session.cancel"})
+                first.until_closed()
+            server.wait_slot_free()
+    finally:
+        engine.stop()
+
+
+def test_without_a_horizon_admission_judges_the_tick_now(tiny):
+    engine = _engine(tiny, max_sessions=2, warm_up=False, budget_horizon=0)
+    try:
+        _growth_seeded(engine)
+        with ServerHandle(server_settings(tiny), engine) as server:
+            with server.connect() as first:
+                first.configure(seed=0)
+                _frame_answered(first)
+                assert http("GET", server.http_url("/ready"))[0] == 200
+                first.send({"type": "session.cancel"})
+                first.until_closed()
+    finally:
+        engine.stop()
+
+
+def test_the_warm_up_times_each_size_with_the_horizons_caches(tiny, monkeypatch):
+    extended = []
+    original = BatchedEngine.extend_history
+    monkeypatch.setattr(BatchedEngine, "extend_history", lambda self, name, frames: (extended.append(frames), original(self, name, frames)))
+    engine = _engine(tiny, max_sessions=2, tick_budget=math.inf, budget_horizon=30.0)
+    try:
+        assert extended == [375] * 3  # one session, then two, each lengthened by 30 s of frames
+        assert engine.budget.growth(1) is not None and engine.budget.growth(2) is not None
+    finally:
+        engine.stop()
+    extended.clear()
+    engine = _engine(tiny, max_sessions=2, tick_budget=math.inf, budget_horizon=0)
+    try:
+        assert extended == [] and engine.budget.growth(2) is None
+    finally:
+        engine.stop()
+
+
+def test_the_warm_up_lengthens_only_the_caches_that_fit_in_memory(tiny, models, monkeypatch):
+    """Each size's caches a whole call long must fit in half the free memory: here one
+    session's do and two sessions' do not, so the second size's growth is carried over."""
+    from mlx_voicechat_plugin.accel import memory
+
+    model, tokenizer, *_ = models("tiny")
+    probe = BatchedEngine(model, tokenizer)
+    session_id = probe.open(incremental_prefill=False)
+    probe.push_audio(session_id, np.zeros(FRAME * 8, np.float32))
+    for _ in range(8):
+        probe.tick()
+    one = probe.extended_bytes(session_id, 7500)
+    probe.close(session_id)
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda: int(3.2 * one))
+    extended, lines = [], []
+    original = BatchedEngine.extend_history
+    monkeypatch.setattr(BatchedEngine, "extend_history", lambda self, name, frames: (extended.append(frames), original(self, name, frames)))
+    engine = _engine(tiny, max_sessions=3, tick_budget=math.inf, progress=lines.append)
+    try:
+        assert extended == [7500]  # the first size only
+        assert re.fullmatch(r"  1 session: median tick \d+\.\d ms, \d+\.\d ms after 600 s of talk", lines[2]), lines
+        assert re.fullmatch(r"  2 sessions: median tick \d+\.\d ms, \d+\.\d ms after 600 s of talk "
+                            r"\(growth carried over: this size's long caches would take \d+\.\d of \d+\.\d GiB free\)", lines[3]), lines
+        assert engine.budget.growth(3) == pytest.approx(3 * engine.budget.growth(1))
     finally:
         engine.stop()
 
@@ -357,8 +470,17 @@ def test_serve_options_reach_the_engine(tiny, monkeypatch):
     assert captured["engine"].max_lag is None  # one slot: the spec's behaviour, no lag bound
     assert cli.main(argv + ["--max-sessions", "4", "--tick-budget", "off"], hard_exit=False) == 0
     assert captured["engine"].budget.admits(4) and captured["engine"].max_lag == 2.0
-    for bad in (["--tick-budget", "0"], ["--tick-budget", "1.5"], ["--max-lag", "-1"], ["--max-sessions", "many"], ["--tick-budget", "x"], ["--tick-gather", "-0.1"]):
+    assert captured["engine"].budget.horizon_frames == 7500  # default: the whole 600 s call
+    for horizon, frames in (("0", 0), ("call", 7500), ("60", 750), ("1e9", 7500)):
+        assert cli.main(argv + ["--max-sessions", "2", "--tick-budget-horizon", horizon], hard_exit=False) == 0
+        assert captured["engine"].budget.horizon_frames == frames
+    assert cli.main(argv + ["--max-sessions", "2", "--max-session-seconds", "30"], hard_exit=False) == 0
+    assert captured["engine"].budget.horizon_frames == 375  # at most the session limit
+    for bad in (["--tick-budget", "0"], ["--tick-budget", "1.5"], ["--max-lag", "-1"], ["--max-sessions", "many"], ["--tick-budget", "x"],
+                ["--tick-gather", "-0.1"], ["--tick-budget-horizon", "-1"], ["--tick-budget-horizon", "inf"], ["--tick-budget-horizon", "soon"]):
         assert cli.main(argv + bad, hard_exit=False) == 2
+    with pytest.raises(ValueError, match="budget_horizon"):
+        RealtimeEngine(lambda: None, max_sessions=2, budget_horizon=-1.0)
 
 
 @pytest.fixture(scope="module")

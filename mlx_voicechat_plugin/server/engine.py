@@ -18,8 +18,9 @@ closes, never per frame.
 
 With more than one slot it keeps every caller on time (``docs/server.md``, "Real time under
 load"): a tick waits for every live session's frame (:mod:`.tick_gather`); a new session is
-admitted only while the predicted p95 tick with one more session fits the frame budget
-(:mod:`.tick_budget`; ``max_sessions="auto"`` admits by that rule alone); every batch size
+admitted only while the predicted p95 tick with one more session fits the frame budget, now
+and as the calls' caches grow until they end (:mod:`.tick_budget`; ``max_sessions="auto"``
+admits by that rule alone); every batch size
 that can be admitted is run once before the first session (warm-up), so no live tick pays a
 first-time shape; and when frames are answered more than ``max_lag`` seconds behind real
 time (:mod:`.lag_clock`), the newest lagging session gets ``server_busy`` and is closed (at
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import queue
 import threading
 import time
@@ -48,6 +50,7 @@ from .protocol import (
     SessionConfig,
     serialize_event,
 )
+from .settings import MAX_SESSION_SECONDS
 from .tick_budget import DEFAULT_FRACTION, TickBudget
 from .tick_gather import TickGather
 
@@ -68,8 +71,17 @@ AUTO_MAX_SESSIONS = 32
 AUTO_ADMIT_INTERVAL = 1.0
 #: Default bound (s) on a session's lag behind real time, with more than one slot.
 DEFAULT_MAX_LAG = 2.0
+#: One frame (seconds).
+FRAME_SECONDS = 0.08
 #: Frames each batch size runs during the warm-up (the last five are timed).
 WARM_UP_TICKS = 8
+#: Frames each batch size runs after its sessions' caches were lengthened by the budget's
+#: horizon (the first pays the caches' regrowth; the rest are timed).
+EXTENDED_TICKS = 4
+#: The warm-up lengthens a size's caches only while they take at most this share of the
+#: device's free memory (:func:`~..accel.memory.free_memory_bytes`); larger sizes' growth is
+#: carried over from the largest size lengthened (:meth:`.TickBudget.growth`).
+EXTEND_MEMORY_SHARE = 0.5
 #: A prompt-only tick runs between frame ticks when this multiple of its expected time fits
 #: before the live sessions' next frames (its time varies from tick to tick).
 PROMPT_MARGIN = 1.25
@@ -138,6 +150,11 @@ class RealtimeEngine:
         tick_budget: with more than one slot, the share of the 80 ms frame the predicted
             p95 tick with one more session may take for it to be admitted (default 0.9;
             ``math.inf`` turns the rule off; :mod:`.tick_budget`).
+        budget_horizon: seconds of every session's talk the tick budget looks ahead as the
+            sessions' KV caches grow (default :data:`.settings.MAX_SESSION_SECONDS`, the whole
+            call; each session counts at most its own remaining ``max_streaming_seconds``);
+            0 judges the tick as it is now. With a horizon, the warm-up also times every
+            size with its sessions' caches lengthened by it.
         max_lag: seconds a session's frames may be answered behind real time before it gets
             ``server_busy`` and is closed (default 2 s with more than one slot, None = no
             bound with one slot).
@@ -159,6 +176,7 @@ class RealtimeEngine:
         max_sessions: int | str = 1,
         *,
         tick_budget: float = DEFAULT_FRACTION,
+        budget_horizon: float = MAX_SESSION_SECONDS,
         max_lag: float | None = None,
         gather_seconds: float | None = None,
         warm_up: bool | None = None,
@@ -177,7 +195,12 @@ class RealtimeEngine:
         self._loader = loader
         self.max_sessions = max_sessions
         self.max_lag = max_lag
-        self.budget = TickBudget(fraction=tick_budget)
+        if isinstance(budget_horizon, bool) or not isinstance(budget_horizon, (int, float)) or not 0 <= budget_horizon < math.inf:
+            raise ValueError(f"budget_horizon must be a number of seconds >= 0, got {budget_horizon!r}")
+        self.budget = TickBudget(fraction=tick_budget, horizon_frames=round(budget_horizon / FRAME_SECONDS))
+        #: Frames each live session may still run (None: unbounded), replaced whole after
+        #: every tick by the engine thread and read by admission on the event loop.
+        self._frames_left: dict[str, int | None] = {}
         self._gather = TickGather(0.08 if gather_seconds is None and several else (gather_seconds or 0.0))
         self._warm_up = several if warm_up is None else bool(warm_up)
         self._progress = progress or (lambda line: None)
@@ -260,7 +283,7 @@ class RealtimeEngine:
         """(slot taken, some holder leaving)."""
         with self._slot_lock:
             held = len(self._reserved)
-            if held >= self.max_sessions or not self.budget.admits(held + 1) or self._pacing(held):
+            if held >= self.max_sessions or not self._admits(held) or self._pacing(held):
                 return False, bool(self._leaving)
             self._reserved[session_id] = time.monotonic()
             self.metrics.sessions_active.set(len(self._reserved))
@@ -299,8 +322,17 @@ class RealtimeEngine:
     def slot_free(self) -> bool:
         """True while one more session would be admitted: a slot is free and (with more
         than one slot) the tick budget admits it."""
-        held = self.sessions_active
-        return held < self.max_sessions and self.budget.admits(held + 1) and not self._pacing(held)
+        with self._slot_lock:
+            held = len(self._reserved)
+            return held < self.max_sessions and self._admits(held) and not self._pacing(held)
+
+    def _admits(self, held: int) -> bool:
+        """The tick budget's verdict on one more session beside the ``held`` ones (call
+        with ``_slot_lock`` held): each running session counts its remaining frames, a
+        session not started yet and the new one their whole limit."""
+        frames_left = self._frames_left
+        ahead = [frames_left.get(session_id) for session_id in self._reserved]
+        return self.budget.admits(held + 1, ahead + [None])
 
     def busy_message(self) -> str:
         """The ``server_busy`` error's message: every slot held, or the real-time budget."""
@@ -408,6 +440,7 @@ class RealtimeEngine:
                 _resolve(future, _error_reply(events, error))
             return []
         frames = batch.frames_processed - before
+        self._frames_left = {session_id: batch.frames_left(session_id) for session_id in batch.session_ids}
         if frames:
             self.metrics.observe_tick(batch.last_tick_seconds, frames)
             if not batch.last_tick_starting:  # steady state: no session's first frames or prompt prefill
@@ -516,29 +549,67 @@ class RealtimeEngine:
         """Run every batch size that can be admitted (1 .. ``max_sessions``, stopping after
         the first whose median tick exceeds the budget's share of a frame) for
         :data:`WARM_UP_TICKS` frames of speech (:func:`_warm_up_audio`), so that no live tick
-        pays a first-time shape; the last five ticks of each size seed :attr:`budget`."""
+        pays a first-time shape; the last five ticks of each size seed :attr:`budget`. With
+        a budget horizon, each size then runs :data:`EXTENDED_TICKS` more frames with its
+        sessions' KV caches lengthened by the horizon (``BatchedEngine.extend_history``),
+        which gives the budget the tick's growth over a call (:meth:`.TickBudget.growth`),
+        up to the first size whose lengthened caches would take more than
+        :data:`EXTEND_MEMORY_SHARE` of the free memory (larger sizes' growth is carried
+        over per row)."""
 
         batch = self._batch
-        audio = _warm_up_audio(batch.frame_samples * WARM_UP_TICKS)
+        budget = self.budget
+        lengthen = budget.horizon_frames  # 0 from the first size whose long caches would not fit
+        audio = _warm_up_audio(batch.frame_samples * (WARM_UP_TICKS + (EXTENDED_TICKS if lengthen else 0)))
         for rows in range(1, self.max_sessions + 1):
             ids = [batch.open(session_id=f"warm-up-{rows}-{row}", incremental_prefill=False) for row in range(rows)]
             try:
-                for session_id in ids:
-                    batch.push_audio(session_id, audio)
-                for tick in range(WARM_UP_TICKS):
-                    batch.tick()
-                    if tick >= WARM_UP_TICKS - 5:
-                        self.budget.observe(rows, batch.last_frame_seconds, warm_up=True)
+                note = self._warm_up_size(ids, audio, lengthen)
             finally:
                 for session_id in ids:
                     batch.close(session_id)
-            median = self.budget.warm_median(rows)
+                self._clear_cache()  # the lengthened caches
+            if note:
+                lengthen = 0
+            median = budget.warm_median(rows)
             line = f"  {rows} session{'s' if rows > 1 else ''}" + (f": median tick {median * 1000:.1f} ms" if median else "")
-            if rows > 1 and not self.budget.admits(rows):
-                self._progress(f"{line}, over the tick budget ({self.budget.limit_seconds * 1000:.1f} ms): no more sizes")
+            growth = budget.growth(rows) if budget.horizon_frames else None
+            if median and growth is not None:
+                horizon = budget.horizon_frames
+                line += f", {(median + growth * horizon) * 1000:.1f} ms after {horizon * FRAME_SECONDS:.0f} s of talk"
+            line += note
+            if rows > 1 and median is not None and median > budget.limit_seconds:
+                self._progress(f"{line}, over the tick budget ({budget.limit_seconds * 1000:.1f} ms): no more sizes")
                 break
             self._progress(line)
-        self._clear_cache()
+
+    def _warm_up_size(self, ids: list[str], audio, lengthen: int) -> str:
+        """Tick the warm-up sessions ``ids`` over ``audio`` (:meth:`_run_warm_up`), then, when
+        ``lengthen`` frames of their caches fit in :data:`EXTEND_MEMORY_SHARE` of the free
+        memory, :data:`EXTENDED_TICKS` more with the caches lengthened; returns a note for
+        the progress line when they did not fit ("" otherwise)."""
+        from ..accel.memory import free_memory_bytes
+
+        batch, budget, rows = self._batch, self.budget, len(ids)
+        for session_id in ids:
+            batch.push_audio(session_id, audio)
+        for tick in range(WARM_UP_TICKS):
+            batch.tick()
+            if tick >= WARM_UP_TICKS - 5:
+                budget.observe(rows, batch.last_frame_seconds, warm_up=True)
+        if not lengthen:
+            return ""
+        needed = sum(batch.extended_bytes(session_id, lengthen) for session_id in ids)
+        free = free_memory_bytes()
+        if free is not None and needed > EXTEND_MEMORY_SHARE * free:
+            return f" (growth carried over: this size's long caches would take {needed / 2**30:.1f} of {free / 2**30:.1f} GiB free)"
+        for session_id in ids:
+            batch.extend_history(session_id, lengthen)
+        for tick in range(EXTENDED_TICKS):
+            batch.tick()
+            if tick:  # the first pays the caches' regrowth
+                budget.observe_extended(rows, batch.last_frame_seconds, lengthen)
+        return ""
 
     def _shutdown(self) -> None:
         for session_id in self._batch.session_ids:

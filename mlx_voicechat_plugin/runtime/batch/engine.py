@@ -21,8 +21,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 import numpy as np
 
+from ..stages.kv_extend import extend_kv_caches, extended_bytes
 from ..stages.lanes import lane_stages
 from ..streaming.errors import (
     ContextLimitError,
@@ -180,6 +182,38 @@ class BatchedEngine:
     def session(self, session_id: str):
         """The :class:`~..streaming.StreamingSession` holding ``session_id``'s state."""
         return self._slot(session_id).session
+
+    def frames_left(self, session_id: str) -> int | None:
+        """Frames ``session_id`` may still run before its ``max_streaming_seconds`` (None:
+        unbounded)."""
+        state = self._slot(session_id).session.state
+        return None if state.max_frames is None else max(0, state.max_frames - state.frame_index)
+
+    def extend_history(self, session_id: str, frames: int) -> None:
+        """Lengthen ``session_id``'s language-model and EAR-TTS KV caches by ``frames`` zero
+        positions (:func:`~..stages.kv_extend.extend_kv_caches`), so that its next ticks
+        read as many keys as ``frames`` frames later: for timing the tick of long sessions
+        (the server's warm-up). Its later outputs are meaningless: close it after. The
+        encoder's cache (a 70-frame window) and the frame counters are left as they are.
+
+        Raises:
+            UnknownSessionError: no such open session.
+            ValueError: ``frames`` is negative.
+        """
+        state = self._slot(session_id).session.state
+        arrays = extend_kv_caches(state.language.cache, frames) + extend_kv_caches(state.speech.cache, frames)
+        mx.eval(arrays)
+
+    def extended_bytes(self, session_id: str, frames: int) -> int:
+        """Bytes ``session_id``'s language-model and EAR-TTS KV caches would hold after
+        :meth:`extend_history` by ``frames`` (nothing allocated; its memory that far into
+        a call).
+
+        Raises:
+            UnknownSessionError: no such open session.
+        """
+        state = self._slot(session_id).session.state
+        return extended_bytes(state.language.cache, frames) + extended_bytes(state.speech.cache, frames)
 
     def push_audio(self, session_id: str, samples, sample_rate: int = 16_000) -> None:
         """Buffer mono float PCM for ``session_id``; the frames run in later ticks.
