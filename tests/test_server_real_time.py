@@ -48,6 +48,22 @@ def _rejected(server, reason: str) -> float:
     return float(line.split()[-1])
 
 
+def _refused(server, reason: str, words: str) -> None:
+    """A new connection gets ``server_busy`` (``words`` in its message) and close 1013,
+    counted under ``reason`` in ``/metrics``."""
+    before = _rejected(server, reason)
+    with server.connect() as client:
+        event = client.recv()
+        while event["type"] != "error":
+            event = client.recv()
+        assert event["error"]["code"] == "server_busy"
+        assert words in event["error"]["message"]
+        with pytest.raises(Closed) as closed:
+            client.recv()
+        assert closed.value.code == 1013
+    assert _rejected(server, reason) == before + 1
+
+
 def test_warm_up_ran_every_batch_size_before_serving(four):
     assert four.budget.warmed_sizes == [1, 2, 3, 4]
     assert all(four.budget.warm_median(rows) is not None for rows in (1, 2, 3, 4))
@@ -96,17 +112,7 @@ def test_the_tick_budget_refuses_below_max_sessions(tiny):
                 first.configure(seed=0)
                 status, body = http("GET", server.http_url("/ready"))
                 assert status == 503 and body["sessions_active"] == 1 and body["sessions_max"] == 3
-                before = _rejected(server, "tick_budget")
-                with server.connect() as second:
-                    error = second.recv()
-                    while error["type"] != "error":
-                        error = second.recv()
-                    assert error["error"]["code"] == "server_busy"
-                    assert "real-time capacity" in error["error"]["message"]
-                    with pytest.raises(Closed) as closed:
-                        second.recv()
-                    assert closed.value.code == 1013
-                assert _rejected(server, "tick_budget") == before + 1
+                _refused(server, "tick_budget", "real-time capacity")
                 first.send({"type": "session.cancel"})
                 assert first.until_closed()[1] == 1000
             server.wait_slot_free()
@@ -144,18 +150,14 @@ def test_admission_looks_ahead_to_the_end_of_the_running_calls(tiny, first_limit
                 first.configure(seed=0, **({} if first_limit is None else {"max_streaming_seconds": first_limit}))
                 _frame_answered(first)  # the engine has published the first session's frames left
                 assert (http("GET", server.http_url("/ready"))[0] == 200) is admitted
-                with server.connect() as second:
-                    if admitted:
+                if admitted:
+                    with server.connect() as second:
                         second.configure(seed=1)
                         _frame_answered(second)
                         second.send({"type": "session.cancel"})
                         second.until_closed()
-                    else:
-                        event = second.recv()
-                        while event["type"] != "error":
-                            event = second.recv()
-                        assert event["error"]["code"] == "server_busy"
-                        assert "real-time capacity" in event["error"]["message"]
+                else:
+                    _refused(server, "tick_budget", "real-time capacity")
                 first.send({"type": "session.cancel"})
                 first.until_closed()
             server.wait_slot_free()
@@ -196,11 +198,8 @@ def test_the_warm_up_times_each_size_with_the_horizons_caches(tiny, monkeypatch)
         engine.stop()
 
 
-def test_the_warm_up_lengthens_only_the_caches_that_fit_in_memory(tiny, models, monkeypatch):
-    """Each size's caches a whole call long must fit in half the free memory: here one
-    session's do and two sessions' do not, so the second size's growth is carried over."""
-    from mlx_voicechat_plugin.accel import memory
-
+def _one_session_bytes(models) -> int:
+    """Bytes a tiny session's KV caches hold 600 s into a call (after the warm-up's frames)."""
     model, tokenizer, *_ = models("tiny")
     probe = BatchedEngine(model, tokenizer)
     session_id = probe.open(incremental_prefill=False)
@@ -209,7 +208,17 @@ def test_the_warm_up_lengthens_only_the_caches_that_fit_in_memory(tiny, models, 
         probe.tick()
     one = probe.extended_bytes(session_id, 7500)
     probe.close(session_id)
-    monkeypatch.setattr(memory, "free_memory_bytes", lambda: int(3.2 * one))
+    return one
+
+
+def test_the_warm_up_lengthens_only_the_caches_that_fit_in_memory(tiny, models, monkeypatch):
+    """Each size's caches a whole call long must fit in half the free memory: here one
+    session's do and two sessions' do not, so the second size's growth is carried over
+    (three sessions' fit in the 80 % admission allows)."""
+    from mlx_voicechat_plugin.accel import memory
+
+    one = _one_session_bytes(models)
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda: int(3.9 * one))
     extended, lines = [], []
     original = BatchedEngine.extend_history
     monkeypatch.setattr(BatchedEngine, "extend_history", lambda self, name, frames: (extended.append(frames), original(self, name, frames)))
@@ -220,6 +229,37 @@ def test_the_warm_up_lengthens_only_the_caches_that_fit_in_memory(tiny, models, 
         assert re.fullmatch(r"  2 sessions: median tick \d+\.\d ms, \d+\.\d ms after 600 s of talk "
                             r"\(growth carried over: this size's long caches would take \d+\.\d of \d+\.\d GiB free\)", lines[3]), lines
         assert engine.budget.growth(3) == pytest.approx(3 * engine.budget.growth(1))
+        assert engine.memory_sessions == 3 and engine.budget.warmed_sizes == [1, 2, 3]
+    finally:
+        engine.stop()
+
+
+def test_no_more_sessions_are_admitted_than_have_room_in_memory(tiny, models, monkeypatch):
+    """Sessions whose caches at the session limit would not fit in 80 % of the free memory
+    are refused (``server_busy``, "memory capacity", ``/ready`` 503), below
+    ``--max-sessions`` and with the tick budget off; the warm-up stops at that size."""
+    from mlx_voicechat_plugin.accel import memory
+
+    one = _one_session_bytes(models)
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda: int(2.6 * one))  # room for two
+    lines: list[str] = []
+    engine = _engine(tiny, max_sessions=3, tick_budget=math.inf, progress=lines.append)
+    try:
+        assert engine.memory_sessions == 2 and engine.budget.warmed_sizes == [1, 2]
+        assert re.fullmatch(r"  memory: room for 2 sessions' caches 600 s long \(\d+\.\d\d GiB each, \d+\.\d GiB free\): "
+                            r"at most 2 at once", lines[2]), lines
+        with ServerHandle(server_settings(tiny), engine) as server:
+            with server.connect() as first, server.connect() as second:
+                first.configure(seed=0)
+                second.configure(seed=1)
+                status, body = http("GET", server.http_url("/ready"))
+                assert status == 503 and body["sessions_active"] == 2 and body["sessions_max"] == 3
+                _refused(server, "memory", "memory capacity")
+                for client in (first, second):
+                    client.send({"type": "session.cancel"})
+                    client.until_closed()
+            server.wait_slot_free()
+            assert http("GET", server.http_url("/ready"))[0] == 200
     finally:
         engine.stop()
 
@@ -476,11 +516,15 @@ def test_serve_options_reach_the_engine(tiny, monkeypatch):
         assert captured["engine"].budget.horizon_frames == frames
     assert cli.main(argv + ["--max-sessions", "2", "--max-session-seconds", "30"], hard_exit=False) == 0
     assert captured["engine"].budget.horizon_frames == 375  # at most the session limit
+    assert captured["engine"].session_frames == 375  # memory is sized for the session limit
     for bad in (["--tick-budget", "0"], ["--tick-budget", "1.5"], ["--max-lag", "-1"], ["--max-sessions", "many"], ["--tick-budget", "x"],
                 ["--tick-gather", "-0.1"], ["--tick-budget-horizon", "-1"], ["--tick-budget-horizon", "inf"], ["--tick-budget-horizon", "soon"]):
         assert cli.main(argv + bad, hard_exit=False) == 2
     with pytest.raises(ValueError, match="budget_horizon"):
         RealtimeEngine(lambda: None, max_sessions=2, budget_horizon=-1.0)
+    for bad in (0, -1.0, math.inf, True):
+        with pytest.raises(ValueError, match="session_seconds"):
+            RealtimeEngine(lambda: None, max_sessions=2, session_seconds=bad)
 
 
 @pytest.fixture(scope="module")

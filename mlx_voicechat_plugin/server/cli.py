@@ -361,7 +361,7 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
     horizon = session_limit if args.tick_budget_horizon is None else min(args.tick_budget_horizon, session_limit)
     engine = RealtimeEngine(
         loader, max_sessions=args.max_sessions, tick_budget=args.tick_budget, max_lag=args.max_lag,
-        gather_seconds=args.tick_gather, progress=progress, budget_horizon=horizon,
+        gather_seconds=args.tick_gather, progress=progress, budget_horizon=horizon, session_seconds=session_limit,
     )
     print(f"loading {model_path} ...", file=sys.stderr, flush=True)
     try:

@@ -82,6 +82,10 @@ EXTENDED_TICKS = 4
 #: device's free memory (:func:`~..accel.memory.free_memory_bytes`); larger sizes' growth is
 #: carried over from the largest size lengthened (:meth:`.TickBudget.growth`).
 EXTEND_MEMORY_SHARE = 0.5
+#: With several slots, the sessions' KV caches at the session limit may fill at most this
+#: share of the device's free memory after the model has loaded: the warm-up works out how
+#: many sessions that is (:attr:`RealtimeEngine.memory_sessions`) and no more are admitted.
+MEMORY_SHARE = 0.8
 #: A prompt-only tick runs between frame ticks when this multiple of its expected time fits
 #: before the live sessions' next frames (its time varies from tick to tick).
 PROMPT_MARGIN = 1.25
@@ -155,6 +159,10 @@ class RealtimeEngine:
             call; each session counts at most its own remaining ``max_streaming_seconds``);
             0 judges the tick as it is now. With a horizon, the warm-up also times every
             size with its sessions' caches lengthened by it.
+        session_seconds: the longest session (the server's ``max_session_seconds``); with
+            several slots the warm-up admits at most as many sessions as have room for their
+            KV caches this long in :data:`MEMORY_SHARE` of the free memory
+            (:attr:`memory_sessions`).
         max_lag: seconds a session's frames may be answered behind real time before it gets
             ``server_busy`` and is closed (default 2 s with more than one slot, None = no
             bound with one slot).
@@ -177,6 +185,7 @@ class RealtimeEngine:
         *,
         tick_budget: float = DEFAULT_FRACTION,
         budget_horizon: float = MAX_SESSION_SECONDS,
+        session_seconds: float = MAX_SESSION_SECONDS,
         max_lag: float | None = None,
         gather_seconds: float | None = None,
         warm_up: bool | None = None,
@@ -197,7 +206,14 @@ class RealtimeEngine:
         self.max_lag = max_lag
         if isinstance(budget_horizon, bool) or not isinstance(budget_horizon, (int, float)) or not 0 <= budget_horizon < math.inf:
             raise ValueError(f"budget_horizon must be a number of seconds >= 0, got {budget_horizon!r}")
+        if isinstance(session_seconds, bool) or not isinstance(session_seconds, (int, float)) or not 0 < session_seconds < math.inf:
+            raise ValueError(f"session_seconds must be a positive number of seconds, got {session_seconds!r}")
         self.budget = TickBudget(fraction=tick_budget, horizon_frames=round(budget_horizon / FRAME_SECONDS))
+        #: Frames of the longest session (``session_seconds``).
+        self.session_frames = max(1, round(session_seconds / FRAME_SECONDS))
+        #: Most sessions whose KV caches fit in memory at the session limit (set by the
+        #: warm-up; None: not known, no bound).
+        self.memory_sessions: int | None = None
         #: Frames each live session may still run (None: unbounded), replaced whole after
         #: every tick by the engine thread and read by admission on the event loop.
         self._frames_left: dict[str, int | None] = {}
@@ -275,7 +291,14 @@ class RealtimeEngine:
                 return True
             elapsed = loop.time() - start
             if elapsed >= wait or (not leaving and elapsed >= min(wait, BUSY_GRACE_SECONDS)):
-                self.metrics.reject("server_busy" if self.sessions_active >= self.max_sessions else "tick_budget")
+                held = self.sessions_active
+                if held >= self.max_sessions:
+                    reason = "server_busy"
+                elif self.memory_sessions is not None and held >= self.memory_sessions:
+                    reason = "memory"
+                else:
+                    reason = "tick_budget"
+                self.metrics.reject(reason)
                 return False
             await asyncio.sleep(RELEASE_POLL_SECONDS)
 
@@ -283,7 +306,7 @@ class RealtimeEngine:
         """(slot taken, some holder leaving)."""
         with self._slot_lock:
             held = len(self._reserved)
-            if held >= self.max_sessions or not self._admits(held) or self._pacing(held):
+            if not self._admits(held) or self._pacing(held):
                 return False, bool(self._leaving)
             self._reserved[session_id] = time.monotonic()
             self.metrics.sessions_active.set(len(self._reserved))
@@ -324,12 +347,15 @@ class RealtimeEngine:
         than one slot) the tick budget admits it."""
         with self._slot_lock:
             held = len(self._reserved)
-            return held < self.max_sessions and self._admits(held) and not self._pacing(held)
+            return self._admits(held) and not self._pacing(held)
 
     def _admits(self, held: int) -> bool:
-        """The tick budget's verdict on one more session beside the ``held`` ones (call
-        with ``_slot_lock`` held): each running session counts its remaining frames, a
-        session not started yet and the new one their whole limit."""
+        """Whether one more session may join the ``held`` ones (call with ``_slot_lock``
+        held): a slot free, room in memory (:attr:`memory_sessions`), and the tick budget's
+        verdict, each running session counting its remaining frames, a session not started
+        yet and the new one their whole limit."""
+        if held >= self.max_sessions or (held >= 1 and self.memory_sessions is not None and held >= self.memory_sessions):
+            return False
         frames_left = self._frames_left
         ahead = [frames_left.get(session_id) for session_id in self._reserved]
         return self.budget.admits(held + 1, ahead + [None])
@@ -337,6 +363,8 @@ class RealtimeEngine:
     def busy_message(self) -> str:
         """The ``server_busy`` error's message: every slot held, or the real-time budget."""
         held = self.sessions_active
+        if held < self.max_sessions and self.memory_sessions is not None and held >= self.memory_sessions:
+            return f"the server is at its memory capacity ({held} active sessions); try again later"
         if held < self.max_sessions:
             return (
                 f"the server is at its real-time capacity ({held} active sessions); try again later"
@@ -559,9 +587,10 @@ class RealtimeEngine:
 
         batch = self._batch
         budget = self.budget
+        self._size_memory()
         lengthen = budget.horizon_frames  # 0 from the first size whose long caches would not fit
         audio = _warm_up_audio(batch.frame_samples * (WARM_UP_TICKS + (EXTENDED_TICKS if lengthen else 0)))
-        for rows in range(1, self.max_sessions + 1):
+        for rows in range(1, min(self.max_sessions, self.memory_sessions or self.max_sessions) + 1):
             ids = [batch.open(session_id=f"warm-up-{rows}-{row}", incremental_prefill=False) for row in range(rows)]
             try:
                 note = self._warm_up_size(ids, audio, lengthen)
@@ -582,6 +611,32 @@ class RealtimeEngine:
                 self._progress(f"{line}, over the tick budget ({budget.limit_seconds * 1000:.1f} ms): no more sizes")
                 break
             self._progress(line)
+
+    def _size_memory(self) -> None:
+        """Set :attr:`memory_sessions`: how many sessions' KV caches at the session limit
+        (``BatchedEngine.extended_bytes`` of a fresh session) fit in :data:`MEMORY_SHARE`
+        of the free memory (:func:`~..accel.memory.free_memory_bytes`; at least one; left
+        None where the free memory is unknown); reported when that is fewer than
+        ``max_sessions``."""
+        from ..accel.memory import free_memory_bytes
+
+        batch = self._batch
+        probe = batch.open(session_id="warm-up-memory", incremental_prefill=False)
+        try:
+            each = batch.extended_bytes(probe, self.session_frames)
+        finally:
+            batch.close(probe)
+        free = free_memory_bytes()
+        if free is None or each <= 0:
+            return
+        self.memory_sessions = max(1, int(MEMORY_SHARE * free // each))
+        if self.memory_sessions < self.max_sessions:
+            seconds = self.session_frames * FRAME_SECONDS
+            self._progress(
+                f"  memory: room for {self.memory_sessions} session{'s' if self.memory_sessions > 1 else ''}' caches "
+                f"{seconds:.0f} s long ({each / 2**30:.2f} GiB each, {free / 2**30:.1f} GiB free): "
+                f"at most {self.memory_sessions} at once"
+            )
 
     def _warm_up_size(self, ids: list[str], audio, lengthen: int) -> str:
         """Tick the warm-up sessions ``ids`` over ``audio`` (:meth:`_run_warm_up`), then, when

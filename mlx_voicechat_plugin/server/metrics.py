@@ -44,7 +44,7 @@ TICK_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.24, 0.32
 #: ``reason`` labels of the rejected-connections counter.
 REJECT_REASONS = (
     "server_busy", "tick_budget", "unauthorized", "origin", "connection_cap", "probe_headroom", "evicted",
-    "bad_request",
+    "bad_request", "memory",
 )
 #: Frame-lag histogram buckets (seconds).
 LAG_BUCKETS = (0.02, 0.04, 0.08, 0.12, 0.16, 0.24, 0.32, 0.5, 1.0, 2.0, 4.0)
