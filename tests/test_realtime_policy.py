@@ -125,22 +125,50 @@ def test_budget_growth_per_frame_from_the_extended_warm_up():
     assert budget.growth(3) == 0.0
 
 
+def _fresh(*lefts):
+    return [(0, left) for left in lefts]
+
+
 def test_budget_projects_the_tick_to_the_end_of_the_calls():
     budget = _growing()
     # two sessions starting together: 20 ms now, 50 ms when both are 600 s in
-    assert budget.projected([7500, 7500]) == pytest.approx(0.050) and not budget.admits(2)
-    assert budget.projected([None, None]) == pytest.approx(0.050)  # unbounded: the horizon
-    assert budget.projected([10**6, None]) == pytest.approx(0.050)  # capped at the horizon
-    # one half-way through its call: at most 20 + 15 ms while both run, then 12 + 15 alone
-    assert budget.projected([3750, 7500]) == pytest.approx(0.035) and budget.admits(2, [3750, 7500])
-    # one about to end: the joining session's own growth decides
-    assert budget.projected([10, 7500]) == pytest.approx(0.027)
-    # without a horizon: the tick as it is now (the warm-up's 20 ms)
+    assert budget.projected(_fresh(7500, 7500)) == pytest.approx(0.050) and not budget.admits(2)
+    assert budget.projected(_fresh(None, None)) == pytest.approx(0.050)  # unbounded: the horizon
+    assert budget.projected(_fresh(10**6, None)) == pytest.approx(0.050)  # capped at the horizon
+    # one half-way through its call: 20 ms + 15 ms of growth for its whole call and 7.5 for
+    # the new one's first half while both run (42.5 ms), then 12 + 15 alone
+    half = [(3750, 3750), (0, 7500)]
+    assert budget.projected(half) == pytest.approx(0.0425) and not budget.admits(2, half)
+    # ... and the same call if its first half had cost nothing: its end is what helps
+    assert budget.projected(_fresh(3750, 7500)) == pytest.approx(0.035) and budget.admits(2, _fresh(3750, 7500))
+    # one about to end: 20 + 15 ms (its whole call) + 10 frames of the new one's
+    assert budget.projected([(7490, 10), (0, 7500)]) == pytest.approx(0.020 + 0.015 * 7510 / 7500)
+    # without a horizon: the tick as it is now (the warm-up's 20 ms, with the frames run)
     now = TickBudget(fraction=0.5, horizon_frames=0)
     for _ in range(3):
         now.observe(2, 0.020, warm_up=True)
         now.observe_extended(2, 0.050, 7500)
-    assert now.projected([7500, 7500]) == pytest.approx(0.020) and now.admits(2)
+    assert now.projected(_fresh(7500, 7500)) == pytest.approx(0.020) and now.admits(2)
+    assert now.projected([(7500, 0), (7500, 0)]) == pytest.approx(0.050)
+
+
+def test_budget_sees_long_calls_when_no_tick_ran_lately():
+    """Three calls 590 s in (the warm-up puts their tick at 20 ms + 3 x 7,375 frames of
+    growth) that have been quiet for longer than the live window: the warm-up's prediction
+    at their length, not at the start of a call, judges a fourth caller."""
+    clock = Clock()
+    budget = TickBudget(fraction=0.8, horizon_frames=7500, clock=clock)  # 64 ms
+    for _ in range(3):
+        budget.observe(3, 0.030, warm_up=True)
+        budget.observe(4, 0.035, warm_up=True)
+        budget.observe_extended(3, 0.060, 7500)
+        budget.observe_extended(4, 0.075, 7500)
+    old = [(7375, 125)] * 3
+    assert budget.live_p95(4) is None
+    # 35 ms for four sessions + 10 ms of growth per session-call, over 3 x 7,500 + 125 frames
+    assert budget.projected(old + [(0, 7500)]) == pytest.approx(0.035 + 0.010 * (3 * 7500 + 125) / 7500)
+    assert not budget.admits(4, old + [(0, 7500)])
+    assert budget.admits(4, _fresh(125, 125, 125, 7500))  # fresh short calls fit
 
 
 def test_budget_growth_scales_with_the_live_slowdown():
@@ -151,7 +179,30 @@ def test_budget_growth_scales_with_the_live_slowdown():
         clock.now += 0.08
         budget.observe(2, 0.030)  # the live ticks run 1.5x the warm-up's
     assert budget.p95(2) == pytest.approx(0.030)
-    assert budget.projected([7500, 7500]) == pytest.approx(0.030 + 1.5 * 0.030) and not budget.admits(2)
+    assert budget.projected(_fresh(7500, 7500)) == pytest.approx(0.030 + 1.5 * 0.030) and not budget.admits(2)
+    # live ticks that are slow because the calls are long already are not a slowdown
+    assert budget.projected([(5000, 2500), (5000, 2500)]) == pytest.approx(0.050)
+
+
+def test_budget_reads_its_records_while_the_engine_thread_adds_to_them(monkeypatch):
+    """Admission (event loop) reads the ticks while the engine thread records more: the
+    reader works on a copy. The interleaving is forced here by recording a tick from
+    inside the reading (iterating the live deque raised "deque mutated during iteration")."""
+    clock = Clock()
+    budget = _growing(fraction=0.9, clock=clock)
+    for _ in range(5):
+        clock.now += 0.08
+        budget.observe(2, 0.030)
+    ratio = budget._ratio
+
+    def ratio_while_a_tick_lands(rows, sessions):
+        budget.observe(2, 0.031)
+        budget.observe_lag(0.01, "a")
+        return ratio(rows, sessions)
+
+    monkeypatch.setattr(budget, "_ratio", ratio_while_a_tick_lands)
+    assert budget.p95(2) == pytest.approx(0.030)  # the live ticks, read while one more lands
+    assert budget.late() is False and budget.admits(2, _fresh(10, 10))
 
 
 def test_budget_horizon_and_frames_left_are_checked():
@@ -159,7 +210,7 @@ def test_budget_horizon_and_frames_left_are_checked():
         with pytest.raises(ValueError):
             TickBudget(horizon_frames=bad)
     with pytest.raises(ValueError, match="2 entries for 3 sessions"):
-        _growing().admits(3, [7500, 7500])
+        _growing().admits(3, _fresh(7500, 7500))
 
 
 def _a_ready_b_due(clock: Clock) -> TickGather:

@@ -362,6 +362,7 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
     engine = RealtimeEngine(
         loader, max_sessions=args.max_sessions, tick_budget=args.tick_budget, max_lag=args.max_lag,
         gather_seconds=args.tick_gather, progress=progress, budget_horizon=horizon, session_seconds=session_limit,
+        max_prompt_tokens=args.max_prompt_tokens,
     )
     print(f"loading {model_path} ...", file=sys.stderr, flush=True)
     try:

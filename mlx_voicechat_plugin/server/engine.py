@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..prompt_limit import MAX_PROMPT_TOKENS
 from .lag_clock import LagClock
 from .metrics import ServerMetrics
 from .protocol import (
@@ -163,6 +164,8 @@ class RealtimeEngine:
             several slots the warm-up admits at most as many sessions as have room for their
             KV caches this long in :data:`MEMORY_SHARE` of the free memory
             (:attr:`memory_sessions`).
+        max_prompt_tokens: the longest system prompt a session may open with (its tokens
+            take cache positions too; the server's ``--max-prompt-tokens``).
         max_lag: seconds a session's frames may be answered behind real time before it gets
             ``server_busy`` and is closed (default 2 s with more than one slot, None = no
             bound with one slot).
@@ -186,6 +189,7 @@ class RealtimeEngine:
         tick_budget: float = DEFAULT_FRACTION,
         budget_horizon: float = MAX_SESSION_SECONDS,
         session_seconds: float = MAX_SESSION_SECONDS,
+        max_prompt_tokens: int = MAX_PROMPT_TOKENS,
         max_lag: float | None = None,
         gather_seconds: float | None = None,
         warm_up: bool | None = None,
@@ -211,12 +215,13 @@ class RealtimeEngine:
         self.budget = TickBudget(fraction=tick_budget, horizon_frames=round(budget_horizon / FRAME_SECONDS))
         #: Frames of the longest session (``session_seconds``).
         self.session_frames = max(1, round(session_seconds / FRAME_SECONDS))
+        self._prompt_tokens = max(0, int(max_prompt_tokens))
         #: Most sessions whose KV caches fit in memory at the session limit (set by the
         #: warm-up; None: not known, no bound).
         self.memory_sessions: int | None = None
-        #: Frames each live session may still run (None: unbounded), replaced whole after
-        #: every tick by the engine thread and read by admission on the event loop.
-        self._frames_left: dict[str, int | None] = {}
+        #: Each live session's (frames run, frames it may still run or None), replaced whole
+        #: after every tick by the engine thread and read by admission on the event loop.
+        self._progress_frames: dict[str, tuple[int, int | None]] = {}
         self._gather = TickGather(0.08 if gather_seconds is None and several else (gather_seconds or 0.0))
         self._warm_up = several if warm_up is None else bool(warm_up)
         self._progress = progress or (lambda line: None)
@@ -352,13 +357,13 @@ class RealtimeEngine:
     def _admits(self, held: int) -> bool:
         """Whether one more session may join the ``held`` ones (call with ``_slot_lock``
         held): a slot free, room in memory (:attr:`memory_sessions`), and the tick budget's
-        verdict, each running session counting its remaining frames, a session not started
-        yet and the new one their whole limit."""
+        verdict, each running session counting the frames it has run and may still run, a
+        session not started yet and the new one a whole call ahead."""
         if held >= self.max_sessions or (held >= 1 and self.memory_sessions is not None and held >= self.memory_sessions):
             return False
-        frames_left = self._frames_left
-        ahead = [frames_left.get(session_id) for session_id in self._reserved]
-        return self.budget.admits(held + 1, ahead + [None])
+        progress = self._progress_frames
+        calls = [progress.get(session_id, (0, None)) for session_id in self._reserved]
+        return self.budget.admits(held + 1, calls + [(0, None)])
 
     def busy_message(self) -> str:
         """The ``server_busy`` error's message: every slot held, or the real-time budget."""
@@ -468,7 +473,10 @@ class RealtimeEngine:
                 _resolve(future, _error_reply(events, error))
             return []
         frames = batch.frames_processed - before
-        self._frames_left = {session_id: batch.frames_left(session_id) for session_id in batch.session_ids}
+        self._progress_frames = {
+            session_id: (batch.session(session_id).frame_index, batch.frames_left(session_id))
+            for session_id in batch.session_ids
+        }
         if frames:
             self.metrics.observe_tick(batch.last_tick_seconds, frames)
             if not batch.last_tick_starting:  # steady state: no session's first frames or prompt prefill
@@ -587,10 +595,11 @@ class RealtimeEngine:
 
         batch = self._batch
         budget = self.budget
-        self._size_memory()
         lengthen = budget.horizon_frames  # 0 from the first size whose long caches would not fit
         audio = _warm_up_audio(batch.frame_samples * (WARM_UP_TICKS + (EXTENDED_TICKS if lengthen else 0)))
-        for rows in range(1, min(self.max_sessions, self.memory_sessions or self.max_sessions) + 1):
+        for rows in range(1, self.max_sessions + 1):
+            if self.memory_sessions is not None and rows > self.memory_sessions:
+                break  # never admitted
             ids = [batch.open(session_id=f"warm-up-{rows}-{row}", incremental_prefill=False) for row in range(rows)]
             try:
                 note = self._warm_up_size(ids, audio, lengthen)
@@ -612,20 +621,16 @@ class RealtimeEngine:
                 break
             self._progress(line)
 
-    def _size_memory(self) -> None:
+    def _size_memory(self, session_id: str) -> None:
         """Set :attr:`memory_sessions`: how many sessions' KV caches at the session limit
-        (``BatchedEngine.extended_bytes`` of a fresh session) fit in :data:`MEMORY_SHARE`
-        of the free memory (:func:`~..accel.memory.free_memory_bytes`; at least one; left
-        None where the free memory is unknown); reported when that is fewer than
-        ``max_sessions``."""
+        and the longest prompt (``BatchedEngine.extended_bytes`` of the warm-up session
+        ``session_id``, which has run frames, so every cache is in use) fit in
+        :data:`MEMORY_SHARE` of the free memory (:func:`~..accel.memory.free_memory_bytes`;
+        at least one; left None where the free memory is unknown); reported when that is
+        fewer than ``max_sessions``."""
         from ..accel.memory import free_memory_bytes
 
-        batch = self._batch
-        probe = batch.open(session_id="warm-up-memory", incremental_prefill=False)
-        try:
-            each = batch.extended_bytes(probe, self.session_frames)
-        finally:
-            batch.close(probe)
+        each = self._batch.extended_bytes(session_id, self.session_frames + self._prompt_tokens)
         free = free_memory_bytes()
         if free is None or each <= 0:
             return
@@ -652,6 +657,8 @@ class RealtimeEngine:
             batch.tick()
             if tick >= WARM_UP_TICKS - 5:
                 budget.observe(rows, batch.last_frame_seconds, warm_up=True)
+        if rows == 1:
+            self._size_memory(ids[0])
         if not lengthen:
             return ""
         needed = sum(batch.extended_bytes(session_id, lengthen) for session_id in ids)

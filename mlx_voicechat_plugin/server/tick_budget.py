@@ -31,18 +31,26 @@ goes from about 44 ms at the start to about 73 ms 600 s in). With a horizon
 warm-up also times each size with every session's KV caches lengthened by the horizon
 (:meth:`observe_extended`; ``BatchedEngine.extend_history``), which gives the tick's growth
 per frame of the sessions' talk (:meth:`growth`), and a session is admitted only while the
-predicted tick stays within the budget until the end of the horizon: for each future
-frame ``d`` at which some session reaches its limit, the sessions still running then
-(``n_d``) are predicted at ``p95(n_d) + growth(n_d) x d`` (:meth:`projected`), the growth
-scaled by how much slower the live ticks run than the warm-up's. Sessions that joined at
-different times end at different times, so a staggered set is predicted lower than one
-that started together.
+predicted tick stays within the budget until the end of the horizon (:meth:`projected`):
+for each future frame ``d`` at which some session reaches its limit, the sessions still
+running then, each ``d`` frames further into its call, are predicted from the warm-up (its
+tick of that size plus the growth for every frame they will have run) and from the live
+ticks (their p95 plus the growth for ``d`` more frames, scaled by how much slower the live
+ticks run than the warm-up's prediction for now), whichever is larger. Sessions that joined
+at different times end at different times, so a staggered set is predicted lower than one
+that started together. The prediction assumes the calls talk in real time: a call that
+pauses ends later than its remaining frames say (the lag bound, :mod:`.lag_clock`, still
+guards the others).
+
+Thread safety: the engine thread records ticks and lags while the event loop asks for
+admission; a lock guards the records.
 """
 
 from __future__ import annotations
 
 import collections
 import math
+import threading
 import time
 
 import numpy as np
@@ -93,27 +101,30 @@ class TickBudget:
         self._warm_cache: dict[int, float | None] = {}
         self._extended: dict[int, tuple[int, list[float]]] = {}  # rows -> (frames added, ticks)
         self._lags: collections.deque[tuple[float, float, str | None]] = collections.deque(maxlen=1024)
+        self._lock = threading.Lock()
 
     def observe(self, rows: int, seconds: float, *, warm_up: bool = False) -> None:
         """Record a tick that stepped ``rows`` sessions in ``seconds`` (``warm_up``: a tick
         of the warm-up before serving, kept as that size's baseline)."""
         if rows < 1:
             return
-        if warm_up:
-            self._warm_up.setdefault(rows, []).append(float(seconds))
-            self._warm_cache.pop(rows, None)
-        else:
-            self._ticks.append((self._clock(), rows, float(seconds)))
+        with self._lock:
+            if warm_up:
+                self._warm_up.setdefault(rows, []).append(float(seconds))
+                self._warm_cache.pop(rows, None)
+            else:
+                self._ticks.append((self._clock(), rows, float(seconds)))
 
     def observe_extended(self, rows: int, seconds: float, frames: int) -> None:
         """Record a warm-up tick of ``rows`` sessions whose KV caches were each lengthened
         by ``frames`` positions (``BatchedEngine.extend_history``)."""
         if rows < 1 or frames < 1:
             return
-        known_frames, ticks = self._extended.setdefault(rows, (frames, []))
-        if known_frames != frames:  # a new length replaces the old measure
-            self._extended[rows] = known_frames, ticks = frames, []
-        ticks.append(float(seconds))
+        with self._lock:
+            known_frames, ticks = self._extended.setdefault(rows, (frames, []))
+            if known_frames != frames:  # a new length replaces the old measure
+                self._extended[rows] = known_frames, ticks = frames, []
+            ticks.append(float(seconds))
 
     def growth(self, rows: int) -> float | None:
         """Seconds a tick of ``rows`` rows gains per frame that every one of its sessions
@@ -121,7 +132,9 @@ class TickBudget:
         frames added; for a size not extended, the nearest extended size's, per row. None
         when nothing was extended."""
         measured = {}
-        for size, (frames, ticks) in self._extended.items():
+        with self._lock:
+            extended = [(size, frames, list(ticks)) for size, (frames, ticks) in self._extended.items()]
+        for size, frames, ticks in extended:
             base = self.warm_median(size)
             if base is not None and len(ticks) >= MIN_SAMPLES:
                 measured[size] = max(0.0, float(np.median(np.asarray(ticks))) - base) / frames
@@ -134,20 +147,23 @@ class TickBudget:
 
     def observe_lag(self, seconds: float, session_id: str | None = None) -> None:
         """Record one frame's lag (:mod:`.lag_clock`) of ``session_id``'s session."""
-        self._lags.append((self._clock(), float(seconds), session_id))
+        with self._lock:
+            self._lags.append((self._clock(), float(seconds), session_id))
 
     def forget(self, session_id: str) -> None:
         """``session_id``'s session has ended: its lags no longer say whether the running
         sessions are on time."""
-        self._lags = collections.deque(
-            (entry for entry in self._lags if entry[2] != session_id), maxlen=self._lags.maxlen
-        )
+        with self._lock:
+            self._lags = collections.deque(
+                (entry for entry in self._lags if entry[2] != session_id), maxlen=self._lags.maxlen
+            )
 
     def late(self) -> bool:
         """True while the p95 lag of the running sessions' frames of the last
         :data:`RECENT_SECONDS` is over :data:`.lag_clock.LATE_SECONDS` (they are behind)."""
         since = self._clock() - RECENT_SECONDS
-        recent = [seconds for at, seconds, _ in self._lags if at >= since]
+        with self._lock:
+            recent = [seconds for at, seconds, _ in self._lags if at >= since]
         return len(recent) >= MIN_SAMPLES and float(np.quantile(np.asarray(recent), 0.95)) > LATE_SECONDS
 
     @property
@@ -158,10 +174,11 @@ class TickBudget:
     def warm_median(self, rows: int) -> float | None:
         """Median of the warm-up's ticks of ``rows`` rows (seconds; robust to one slow
         tick of a few), or None."""
-        if rows not in self._warm_cache:
-            ticks = self._warm_up.get(rows, [])
-            self._warm_cache[rows] = float(np.median(np.asarray(ticks))) if len(ticks) >= MIN_SAMPLES else None
-        return self._warm_cache[rows]
+        with self._lock:
+            if rows not in self._warm_cache:
+                ticks = self._warm_up.get(rows, [])
+                self._warm_cache[rows] = float(np.median(np.asarray(ticks))) if len(ticks) >= MIN_SAMPLES else None
+            return self._warm_cache[rows]
 
     @property
     def limit_seconds(self) -> float:
@@ -175,66 +192,91 @@ class TickBudget:
             return max(1.0, high / low) if sessions >= rows else high / low
         return sessions / rows
 
-    def p95(self, sessions: int) -> float | None:
-        """Predicted p95 tick (seconds) with ``sessions`` rows, or None while nothing is
-        known (module docstring)."""
+    def live_p95(self, sessions: int) -> float | None:
+        """p95 of the ticks of the last :data:`RECENT_SECONDS`, each carried over to
+        ``sessions`` rows (seconds), or None with fewer than :data:`MIN_SAMPLES`."""
         since = self._clock() - RECENT_SECONDS
-        carried = [seconds * self._ratio(rows, sessions) for at, rows, seconds in self._ticks if at >= since]
-        live = float(np.quantile(np.asarray(carried), 0.95)) if len(carried) >= MIN_SAMPLES else None
-        warm = self.warm_median(sessions)
-        known = [value for value in (live, warm) if value is not None]
+        with self._lock:
+            recent = [(rows, seconds) for at, rows, seconds in self._ticks if at >= since]
+        carried = [seconds * self._ratio(rows, sessions) for rows, seconds in recent]
+        return float(np.quantile(np.asarray(carried), 0.95)) if len(carried) >= MIN_SAMPLES else None
+
+    def p95(self, sessions: int) -> float | None:
+        """Predicted p95 tick (seconds) with ``sessions`` rows at the start of their calls,
+        or None while nothing is known (module docstring)."""
+        known = [value for value in (self.live_p95(sessions), self.warm_median(sessions)) if value is not None]
         return max(known) if known else None
 
-    def projected(self, frames_left: list[int | None]) -> float | None:
+    def warm_tick(self, sessions: int, frames_run: int) -> float | None:
+        """The warm-up's tick of ``sessions`` rows whose sessions have run ``frames_run``
+        frames in all (seconds): its median tick plus :meth:`growth` per session-frame;
+        None when that size was not warmed up."""
+        warm = self.warm_median(sessions)
+        if warm is None:
+            return None
+        growth = self.growth(sessions)
+        return warm + (growth / sessions * frames_run if growth else 0.0)
+
+    def projected(self, progress: list[tuple[int, int | None]]) -> float | None:
         """The longest tick predicted while sessions run their remaining frames (seconds),
         or None while nothing is known.
 
         Args:
-            frames_left: per session, the frames it may still run (None: unbounded); each
-                counts at most :attr:`horizon_frames`. Ahead of now, the tick at frame ``d``
-                (each session's end within the horizon) is ``p95(n_d)`` plus
-                :meth:`growth` of ``n_d`` rows times ``d``, ``n_d`` the sessions still
-                running then, the growth scaled by the live ticks' slowdown against the
-                warm-up's (:meth:`p95` over :meth:`warm_median`, at least 1).
+            progress: per session ``(frames run, frames left)``: the frames it has run
+                so far and those it may still run (None: unbounded; at most
+                :attr:`horizon_frames` count). At each frame ``d`` ahead where some session
+                ends (and now, ``d = 0``), the ``n_d`` sessions still running are predicted
+                at the larger of :meth:`warm_tick` for ``n_d`` rows at their frames run
+                plus ``d`` each, and :meth:`live_p95` of ``n_d`` rows plus the growth of
+                ``d`` more frames each, scaled by the live ticks' slowdown (the live p95
+                of all the sessions now over the warm-up's prediction for now, at least 1).
         """
         horizon = self.horizon_frames
-        left = [horizon if frames is None else min(max(0, frames), horizon) for frames in frames_left]
+        calls = [(max(0, run), horizon if left is None else min(max(0, left), horizon)) for run, left in progress]
+        if not calls:
+            return None
+        live_now = self.live_p95(len(calls))
+        warm_now = self.warm_tick(len(calls), sum(run for run, _ in calls))
+        slowdown = max(1.0, live_now / warm_now) if live_now and warm_now else 1.0
         worst = None
-        for ahead in sorted({0, *left}):
-            running = sum(1 for frames in left if frames >= ahead)
-            base = self.p95(running) if running else None
-            if base is None:
+        for ahead in sorted({0, *(left for _, left in calls)}):
+            running = [run for run, left in calls if left >= ahead]
+            if not running:
                 continue
-            growth = self.growth(running) if ahead else None
-            if growth:
-                warm = self.warm_median(running)
-                slowdown = max(1.0, base / warm) if warm else 1.0
-                base += growth * ahead * slowdown
-            worst = base if worst is None else max(worst, base)
+            rows = len(running)
+            predictions = [self.warm_tick(rows, sum(running) + rows * ahead)]
+            live = self.live_p95(rows)
+            if live is not None:
+                growth = self.growth(rows) or 0.0
+                predictions.append(live + growth * ahead * slowdown)
+            known = [value for value in predictions if value is not None]
+            if known:
+                worst = max([*known] + ([] if worst is None else [worst]))
         return worst
 
-    def admits(self, sessions: int, frames_left: list[int | None] | None = None) -> bool:
+    def admits(self, sessions: int, progress: list[tuple[int, int | None]] | None = None) -> bool:
         """True when a tick of ``sessions`` rows is predicted within the budget, now and,
         with a horizon, while they run (:meth:`projected`); always for the first session,
         and while nothing is known.
 
         Args:
             sessions: the sessions to run (those running and the one to admit).
-            frames_left: per session, the frames it may still run (None: unbounded; the
-                list's length is ``sessions``); None: all of them the horizon.
+            progress: per session ``(frames run, frames left)`` (:meth:`projected`; the
+                list's length is ``sessions``); None: all of them at the start of a call
+                the horizon long.
 
         Raises:
-            ValueError: ``frames_left`` does not have ``sessions`` entries.
+            ValueError: ``progress`` does not have ``sessions`` entries.
         """
-        if frames_left is not None and len(frames_left) != sessions:
-            raise ValueError(f"frames_left has {len(frames_left)} entries for {sessions} sessions")
+        if progress is not None and len(progress) != sessions:
+            raise ValueError(f"progress has {len(progress)} entries for {sessions} sessions")
         if sessions <= 1 or math.isinf(self.fraction):
             return True
         if self.late():
             return False
-        if frames_left is None:
-            frames_left = [None] * sessions
-        predicted = self.projected(frames_left)
+        if progress is None:
+            progress = [(0, None)] * sessions
+        predicted = self.projected(progress)
         return predicted is None or predicted <= self.limit_seconds
 
     def capacity(self, ceiling: int) -> int:
