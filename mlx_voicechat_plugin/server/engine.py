@@ -582,8 +582,9 @@ class RealtimeEngine:
             self._clear_cache()
 
     def _run_warm_up(self) -> None:
-        """Run every batch size that can be admitted (1 .. ``max_sessions``, stopping after
-        the first whose median tick exceeds the budget's share of a frame) for
+        """Run every batch size that can be admitted (1 .. ``max_sessions``, at most
+        :attr:`memory_sessions`, which the first size works out (:meth:`_size_memory`),
+        stopping after the first whose median tick exceeds the budget's share of a frame) for
         :data:`WARM_UP_TICKS` frames of speech (:func:`_warm_up_audio`), so that no live tick
         pays a first-time shape; the last five ticks of each size seed :attr:`budget`. With
         a budget horizon, each size then runs :data:`EXTENDED_TICKS` more frames with its
@@ -644,10 +645,11 @@ class RealtimeEngine:
             )
 
     def _warm_up_size(self, ids: list[str], audio, lengthen: int) -> str:
-        """Tick the warm-up sessions ``ids`` over ``audio`` (:meth:`_run_warm_up`), then, when
-        ``lengthen`` frames of their caches fit in :data:`EXTEND_MEMORY_SHARE` of the free
-        memory, :data:`EXTENDED_TICKS` more with the caches lengthened; returns a note for
-        the progress line when they did not fit ("" otherwise)."""
+        """Tick the warm-up sessions ``ids`` over ``audio`` (:meth:`_run_warm_up`; the first
+        size also sizes memory, :meth:`_size_memory`), then, when ``lengthen`` frames of
+        their caches fit in :data:`EXTEND_MEMORY_SHARE` of the free memory,
+        :data:`EXTENDED_TICKS` more with the caches lengthened; returns a note for the
+        progress line when they did not fit ("" otherwise)."""
         from ..accel.memory import free_memory_bytes
 
         batch, budget, rows = self._batch, self.budget, len(ids)
