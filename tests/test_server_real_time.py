@@ -112,7 +112,7 @@ def test_the_tick_budget_refuses_below_max_sessions(tiny):
                 first.configure(seed=0)
                 status, body = http("GET", server.http_url("/ready"))
                 assert status == 503 and body["sessions_active"] == 1 and body["sessions_max"] == 3
-                _refused(server, "tick_budget", "real-time capacity")
+                _refused(server, "tick_budget", "real-time capacity (1 active session);")
                 first.send({"type": "session.cancel"})
                 assert first.until_closed()[1] == 1000
             server.wait_slot_free()
@@ -255,7 +255,7 @@ def test_no_more_sessions_are_admitted_than_have_room_in_memory(tiny, models, mo
                 second.configure(seed=1)
                 status, body = http("GET", server.http_url("/ready"))
                 assert status == 503 and body["sessions_active"] == 2 and body["sessions_max"] == 3
-                _refused(server, "memory", "memory capacity")
+                _refused(server, "memory", "memory capacity (2 active sessions);")
                 for client in (first, second):
                     client.send({"type": "session.cancel"})
                     client.until_closed()
@@ -294,7 +294,7 @@ def test_a_session_far_behind_real_time_is_closed(tiny, monkeypatch):
             assert errors and errors[-1]["error"]["code"] == "server_busy"
             assert "behind real time" in errors[-1]["error"]["message"]
             audio = [event for event in events if event["type"] == "response.audio.delta"]
-            assert 3 <= len(audio) < 20  # closed once the lag passed 0.3 s, not at the end
+            assert 1 <= len(audio) < 20  # closed once the lag passed 0.3 s (after 3-4 frames on a quiet machine), not at the end
             _, text = http("GET", server.http_url("/metrics"))
             assert "voicechat_sessions_lagging_total 1.0" in text
             assert "voicechat_frames_late_total" in text

@@ -366,14 +366,14 @@ class RealtimeEngine:
         return self.budget.admits(held + 1, calls + [(0, None)])
 
     def busy_message(self) -> str:
-        """The ``server_busy`` error's message: every slot held, or the real-time budget."""
+        """The ``server_busy`` error's message: every slot held, memory, or the real-time
+        budget."""
         held = self.sessions_active
+        active = f"{held} active session{'' if held == 1 else 's'}"
         if held < self.max_sessions and self.memory_sessions is not None and held >= self.memory_sessions:
-            return f"the server is at its memory capacity ({held} active sessions); try again later"
+            return f"the server is at its memory capacity ({active}); try again later"
         if held < self.max_sessions:
-            return (
-                f"the server is at its real-time capacity ({held} active sessions); try again later"
-            )
+            return f"the server is at its real-time capacity ({active}); try again later"
         if self.max_sessions == 1:
             return "another realtime session is active; try again later"
         return f"all {self.max_sessions} realtime session slots are in use; try again later"
