@@ -222,7 +222,7 @@ class RealtimeEngine:
         #: Each live session's (frames run, frames it may still run or None), replaced whole
         #: after every tick by the engine thread and read by admission on the event loop.
         self._progress_frames: dict[str, tuple[int, int | None]] = {}
-        self._gather = TickGather(0.08 if gather_seconds is None and several else (gather_seconds or 0.0))
+        self._gather = TickGather(FRAME_SECONDS if gather_seconds is None and several else (gather_seconds or 0.0))
         self._warm_up = several if warm_up is None else bool(warm_up)
         self._progress = progress or (lambda line: None)
         #: What the engine thread is doing: ``"loading the checkpoint"``, ``"warming up"``
@@ -299,7 +299,7 @@ class RealtimeEngine:
                 held = self.sessions_active
                 if held >= self.max_sessions:
                     reason = "server_busy"
-                elif self.memory_sessions is not None and held >= self.memory_sessions:
+                elif self._memory_full(held):
                     reason = "memory"
                 else:
                     reason = "tick_budget"
@@ -359,18 +359,23 @@ class RealtimeEngine:
         held): a slot free, room in memory (:attr:`memory_sessions`), and the tick budget's
         verdict, each running session counting the frames it has run and may still run, a
         session not started yet and the new one a whole call ahead."""
-        if held >= self.max_sessions or (held >= 1 and self.memory_sessions is not None and held >= self.memory_sessions):
+        if held >= self.max_sessions or self._memory_full(held):
             return False
         progress = self._progress_frames
         calls = [progress.get(session_id, (0, None)) for session_id in self._reserved]
         return self.budget.admits(held + 1, calls + [(0, None)])
+
+    def _memory_full(self, held: int) -> bool:
+        """True when ``held`` sessions fill the room in memory (:attr:`memory_sessions`,
+        at least 1, so the first session is always admitted)."""
+        return self.memory_sessions is not None and held >= self.memory_sessions
 
     def busy_message(self) -> str:
         """The ``server_busy`` error's message: every slot held, memory, or the real-time
         budget."""
         held = self.sessions_active
         active = f"{held} active session{'' if held == 1 else 's'}"
-        if held < self.max_sessions and self.memory_sessions is not None and held >= self.memory_sessions:
+        if held < self.max_sessions and self._memory_full(held):
             return f"the server is at its memory capacity ({active}); try again later"
         if held < self.max_sessions:
             return f"the server is at its real-time capacity ({active}); try again later"

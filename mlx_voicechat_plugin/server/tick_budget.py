@@ -100,6 +100,7 @@ class TickBudget:
         self._warm_up: dict[int, list[float]] = {}
         self._warm_cache: dict[int, float | None] = {}
         self._extended: dict[int, tuple[int, list[float]]] = {}  # rows -> (frames added, ticks)
+        self._growth_cache: dict[int, float] | None = None  # measured growth per extended size
         self._lags: collections.deque[tuple[float, float, str | None]] = collections.deque(maxlen=1024)
         self._lock = threading.Lock()
 
@@ -112,6 +113,7 @@ class TickBudget:
             if warm_up:
                 self._warm_up.setdefault(rows, []).append(float(seconds))
                 self._warm_cache.pop(rows, None)
+                self._growth_cache = None
             else:
                 self._ticks.append((self._clock(), rows, float(seconds)))
 
@@ -125,19 +127,23 @@ class TickBudget:
             if known_frames != frames:  # a new length replaces the old measure
                 self._extended[rows] = known_frames, ticks = frames, []
             ticks.append(float(seconds))
+            self._growth_cache = None
 
     def growth(self, rows: int) -> float | None:
         """Seconds a tick of ``rows`` rows gains per frame that every one of its sessions
         runs (>= 0): the warm-up's median extended tick less its median tick, over the
         frames added; for a size not extended, the nearest extended size's, per row. None
         when nothing was extended."""
-        measured = {}
-        with self._lock:
-            extended = [(size, frames, list(ticks)) for size, (frames, ticks) in self._extended.items()]
-        for size, frames, ticks in extended:
-            base = self.warm_median(size)
-            if base is not None and len(ticks) >= MIN_SAMPLES:
-                measured[size] = max(0.0, float(np.median(np.asarray(ticks))) - base) / frames
+        measured = self._growth_cache
+        if measured is None:  # the warm-up's records changed: measure again
+            measured = {}
+            with self._lock:
+                extended = [(size, frames, list(ticks)) for size, (frames, ticks) in self._extended.items()]
+            for size, frames, ticks in extended:
+                base = self.warm_median(size)
+                if base is not None and len(ticks) >= MIN_SAMPLES:
+                    measured[size] = max(0.0, float(np.median(np.asarray(ticks))) - base) / frames
+            self._growth_cache = measured
         if not measured:
             return None
         if rows in measured:
@@ -192,14 +198,24 @@ class TickBudget:
             return max(1.0, high / low) if sessions >= rows else high / low
         return sessions / rows
 
+    def _recent(self) -> list[tuple[int, float]]:
+        """``(rows, seconds)`` of the ticks of the last :data:`RECENT_SECONDS` (a copy)."""
+        since = self._clock() - RECENT_SECONDS
+        with self._lock:
+            return [(rows, seconds) for at, rows, seconds in self._ticks if at >= since]
+
+    def _carried_p95(self, recent: list[tuple[int, float]], sessions: int) -> float | None:
+        """p95 of ``recent`` ticks each carried over to ``sessions`` rows, or None with
+        fewer than :data:`MIN_SAMPLES`."""
+        if len(recent) < MIN_SAMPLES:
+            return None
+        ratios = {rows: self._ratio(rows, sessions) for rows in {rows for rows, _ in recent}}
+        return float(np.quantile(np.asarray([seconds * ratios[rows] for rows, seconds in recent]), 0.95))
+
     def live_p95(self, sessions: int) -> float | None:
         """p95 of the ticks of the last :data:`RECENT_SECONDS`, each carried over to
         ``sessions`` rows (seconds), or None with fewer than :data:`MIN_SAMPLES`."""
-        since = self._clock() - RECENT_SECONDS
-        with self._lock:
-            recent = [(rows, seconds) for at, rows, seconds in self._ticks if at >= since]
-        carried = [seconds * self._ratio(rows, sessions) for rows, seconds in recent]
-        return float(np.quantile(np.asarray(carried), 0.95)) if len(carried) >= MIN_SAMPLES else None
+        return self._carried_p95(self._recent(), sessions)
 
     def p95(self, sessions: int) -> float | None:
         """Predicted p95 tick (seconds) with ``sessions`` rows at the start of their calls,
@@ -235,24 +251,29 @@ class TickBudget:
         calls = [(max(0, run), horizon if left is None else min(max(0, left), horizon)) for run, left in progress]
         if not calls:
             return None
-        live_now = self.live_p95(len(calls))
+        recent = self._recent()  # one copy of the live ticks for every point ahead
+        live_of: dict[int, float | None] = {}
+
+        def live(rows: int) -> float | None:
+            if rows not in live_of:
+                live_of[rows] = self._carried_p95(recent, rows)
+            return live_of[rows]
+
+        live_now = live(len(calls))
         warm_now = self.warm_tick(len(calls), sum(run for run, _ in calls))
         slowdown = max(1.0, live_now / warm_now) if live_now and warm_now else 1.0
-        worst = None
+        predictions: list[float] = []
         for ahead in sorted({0, *(left for _, left in calls)}):
             running = [run for run, left in calls if left >= ahead]
             if not running:
                 continue
             rows = len(running)
-            predictions = [self.warm_tick(rows, sum(running) + rows * ahead)]
-            live = self.live_p95(rows)
-            if live is not None:
-                growth = self.growth(rows) or 0.0
-                predictions.append(live + growth * ahead * slowdown)
-            known = [value for value in predictions if value is not None]
-            if known:
-                worst = max([*known] + ([] if worst is None else [worst]))
-        return worst
+            warm = self.warm_tick(rows, sum(running) + rows * ahead)
+            if warm is not None:
+                predictions.append(warm)
+            if live(rows) is not None:
+                predictions.append(live(rows) + (self.growth(rows) or 0.0) * ahead * slowdown)
+        return max(predictions, default=None)
 
     def admits(self, sessions: int, progress: list[tuple[int, int | None]] | None = None) -> bool:
         """True when a tick of ``sessions`` rows is predicted within the budget, now and,
