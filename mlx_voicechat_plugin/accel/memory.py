@@ -1,8 +1,11 @@
 """How much memory the device computing the model can still take (the realtime server's
-warm-up asks before it allocates many sessions' long caches at once)."""
+warm-up asks before it allocates many sessions' long caches at once), and giving memory
+that is no longer used back to the system (:func:`release_memory`)."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 
 import mlx.core as mx
@@ -34,3 +37,30 @@ def free_memory_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (None elsewhere: macOS, musl, Windows)."""
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):
+        return None
+
+
+def release_memory() -> None:
+    """Give memory no array uses back: MLX's buffer cache (``mx.clear_cache()``), then,
+    with glibc, the free pages of the process heap (``malloc_trim(0)``).
+
+    MLX's CPU backend allocates with ``malloc``; glibc keeps freed heap pages in the process
+    (raising its mmap threshold after large frees), so without the trim a server whose
+    warm-up held several sessions' long KV caches at once stays at that peak resident size
+    (on the medium demo preset about 1.2-1.4 GiB against about 0.4 GiB after it). Takes about
+    70 ms after freeing a gigabyte and well under a millisecond when there is nothing to give
+    back; the realtime server calls it only when no session is live (and once after its
+    warm-up), never between the ticks of a call.
+    """
+    mx.clear_cache()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

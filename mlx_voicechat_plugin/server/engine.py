@@ -612,7 +612,7 @@ class RealtimeEngine:
             finally:
                 for session_id in ids:
                     batch.close(session_id)
-                self._clear_cache()  # the lengthened caches
+                self._clear_cache(trim=False)  # the lengthened caches (the heap kept for the next size)
             if note:
                 lengthen = 0
             median = budget.warm_median(rows)
@@ -626,6 +626,7 @@ class RealtimeEngine:
                 self._progress(f"{line}, over the tick budget ({budget.limit_seconds * 1000:.1f} ms): no more sizes")
                 break
             self._progress(line)
+        self._clear_cache(trim=True)  # the warm-up's peak back to the system
 
     def _size_memory(self, session_id: str) -> None:
         """Set :attr:`memory_sessions`: how many sessions' KV caches at the session limit
@@ -689,10 +690,18 @@ class RealtimeEngine:
         self._clear_cache()
 
     @staticmethod
-    def _clear_cache() -> None:
+    def _clear_cache(trim: bool = True) -> None:
+        """Free MLX's buffer cache; with ``trim`` also give the heap's free pages back to
+        the system (:func:`~..accel.memory.release_memory`). Called only when no session
+        is live."""
         import mlx.core as mx
 
-        mx.clear_cache()
+        if trim:
+            from ..accel.memory import release_memory
+
+            release_memory()
+        else:
+            mx.clear_cache()
 
     def _execute(self, command: _Command) -> Reply | None:
         """Run one command; None when the reply waits for ticks (push, flush)."""
