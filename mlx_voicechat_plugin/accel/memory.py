@@ -53,9 +53,10 @@ def release_memory() -> None:
     with glibc, the free pages of the process heap (``malloc_trim(0)``).
 
     MLX's CPU backend allocates with ``malloc``; glibc keeps freed heap pages in the process
-    (raising its mmap threshold after large frees), so without the trim a server whose
-    warm-up held several sessions' long KV caches at once stays at that peak resident size
-    (on the medium demo preset about 1.2-1.4 GiB against about 0.4 GiB after it). Takes about
+    (raising its mmap threshold after large frees), so without the trim a process whose
+    realtime warm-up held several sessions' long KV caches at once can stay at that peak
+    resident size (a ``RealtimeEngine`` on the medium demo preset in a script: 1.2-1.4 GiB,
+    against 0.44 GiB after the trim). Takes about
     70 ms after freeing a gigabyte and well under a millisecond when there is nothing to give
     back; the realtime server calls it only when no session is live (and once after its
     warm-up), never between the ticks of a call.
