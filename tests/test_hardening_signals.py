@@ -116,3 +116,30 @@ def test_a_signal_during_the_exit_flush_does_not_escape_the_exit_path():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=ENV)
     assert result.returncode == 7 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_script_that_ticked_on_another_thread_exits_cleanly_through_exit_process(tiny):
+    """The recipe docs/server.md gives for the Python API driven off the main thread: after
+    a worker thread ticked a ``BatchedEngine`` (two-core split on), ``exit_process`` ends the
+    process with its status and flushed output, not with the MLX exit-time abort (134)."""
+    script = (
+        "import sys, threading, numpy as np\n"
+        "from mlx_voicechat_plugin.loading import load\n"
+        "from mlx_voicechat_plugin.runtime.batch import BatchedEngine\n"
+        "from mlx_voicechat_plugin.runtime.process_exit import exit_process\n"
+        "def drive():\n"
+        "    engine = BatchedEngine(*load(sys.argv[1]))\n"
+        "    ids = [engine.open(incremental_prefill=False) for _ in range(2)]\n"
+        "    for session_id in ids:\n"
+        "        engine.push_audio(session_id, np.zeros(1280 * 3, np.float32))\n"
+        "    while engine.has_work:\n"
+        "        engine.tick()\n"
+        "    print('frames', engine.frames_processed)\n"
+        "worker = threading.Thread(target=drive)\n"
+        "worker.start(); worker.join()\n"
+        "exit_process(3)\n"
+    )
+    env = {key: value for key, value in ENV.items() if key != "MLX_VOICECHAT_CPU_SPLIT"}
+    result = subprocess.run([sys.executable, "-c", script, str(tiny)], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 3 and result.stdout.strip() == "frames 6", (result.returncode, result.stdout, result.stderr[-2000:])
+    assert "terminate called" not in result.stderr

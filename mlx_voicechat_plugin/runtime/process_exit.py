@@ -32,7 +32,8 @@ from typing import NoReturn
 def exit_process(status: int) -> NoReturn:
     """Flush stdout, stderr and logging, then end the process now with ``status``.
 
-    Only for command-line entry points, after their cleanup: ``atexit`` handlers and
+    For command-line entry points, and for scripts that ran MLX work on a thread other
+    than the main one (``docs/server.md``), after their cleanup: ``atexit`` handlers and
     ``finally`` blocks further up do not run. A further SIGINT / SIGTERM while flushing is
     ignored (it would raise out of the exit path, e.g. :class:`Terminated` with a traceback).
     """
