@@ -76,3 +76,36 @@ def test_the_server_trims_after_its_warm_up_and_when_its_last_session_closes(tin
         assert trims == [0, 0]
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("failing", ["tick", "bookkeeping"])
+def test_sessions_closed_by_a_failed_tick_give_their_memory_back(tiny, monkeypatch, failing):
+    """A tick that raises (the batched step, or the server's bookkeeping after it) answers
+    and closes every waiting session; when that leaves none live, the memory goes back as
+    when a session closes normally."""
+    from mlx_voicechat_plugin.loading import load
+    from mlx_voicechat_plugin.runtime.batch import BatchedEngine
+
+    trims: list[int] = []
+    monkeypatch.setattr(memory, "_malloc_trim", lambda: trims.append)
+    engine = RealtimeEngine(lambda: load(tiny), max_sessions=2, tick_budget=math.inf, warm_up=False)
+    engine.start(timeout=180)
+    try:
+        config = SessionConfig(system_prompt=None, seed=0, max_streaming_seconds=60.0)
+        assert engine.submit("open", "a", config=config).result(60).error is None
+        trims.clear()
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("injected failure")
+
+        if failing == "tick":
+            monkeypatch.setattr(BatchedEngine, "tick", fail)
+        else:
+            monkeypatch.setattr(RealtimeEngine, "_shed", fail)  # inside the tick's answering
+        reply = engine.submit("push", "a", samples=np.zeros(FRAME, np.float32)).result(60)
+        assert reply.error is not None and "injected failure" in reply.error.message
+        assert trims == [0]
+        assert engine.submit("close", "a").result(60).error is None  # already gone: nothing more
+        assert trims == [0]
+    finally:
+        engine.stop()

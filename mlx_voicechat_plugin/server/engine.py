@@ -454,6 +454,8 @@ class RealtimeEngine:
                         self._batch.close(session_id)
                         future, events = self._waiting.pop(session_id)
                         _resolve(future, _error_reply(events, error))
+                    if not len(self._batch):
+                        self._clear_cache()
 
     def _handle(self, command: _Command) -> None:
         try:
@@ -476,6 +478,8 @@ class RealtimeEngine:
                 batch.close(session_id)
                 future, events = self._waiting.pop(session_id)
                 _resolve(future, _error_reply(events, error))
+            if not len(batch):
+                self._clear_cache()
             return []
         frames = batch.frames_processed - before
         self._progress_frames = {
