@@ -450,12 +450,21 @@ class RealtimeEngine:
                     self._gather.answered(self._tick())
                 except Exception as error:  # noqa: BLE001 - the engine thread must survive
                     logger.exception("realtime tick bookkeeping failed")
-                    for session_id in list(self._waiting):
-                        self._batch.close(session_id)
-                        future, events = self._waiting.pop(session_id)
-                        _resolve(future, _error_reply(events, error))
-                    if not len(self._batch):
-                        self._clear_cache()
+                    self._fail_waiting(error)
+
+    def _fail_waiting(self, error: BaseException) -> None:
+        """A tick failed: close every session waiting for it and answer each with
+        ``error``; when none is left, give the memory back (:meth:`_release_if_idle`)."""
+        for session_id in list(self._waiting):
+            self._batch.close(session_id)
+            future, events = self._waiting.pop(session_id)
+            _resolve(future, _error_reply(events, error))
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        """With no session left in the batch, give memory back (:meth:`_clear_cache`)."""
+        if not len(self._batch):
+            self._clear_cache()
 
     def _handle(self, command: _Command) -> None:
         try:
@@ -474,12 +483,7 @@ class RealtimeEngine:
             results = batch.tick()
         except Exception as error:  # noqa: BLE001 - answer everyone waiting, keep serving
             logger.exception("realtime tick failed")
-            for session_id in list(self._waiting):
-                batch.close(session_id)
-                future, events = self._waiting.pop(session_id)
-                _resolve(future, _error_reply(events, error))
-            if not len(batch):
-                self._clear_cache()
+            self._fail_waiting(error)
             return []
         frames = batch.frames_processed - before
         self._progress_frames = {
@@ -522,8 +526,7 @@ class RealtimeEngine:
         for session_id in [waiting for waiting in self._waiting if waiting not in batch.session_ids]:
             future, events = self._waiting.pop(session_id)  # closed meanwhile: never ticks again
             _resolve(future, Reply(events=events, error=ProtocolError(INFERENCE_ERROR, "the session was closed")))
-        if not len(batch):
-            self._clear_cache()
+        self._release_if_idle()
         return list(results)
 
     def _gather_hold(self) -> float:
@@ -587,8 +590,7 @@ class RealtimeEngine:
         self._forget(session_id)
         if session_id in self._batch.session_ids:
             self._batch.close(session_id)
-        if not len(self._batch):
-            self._clear_cache()
+        self._release_if_idle()
 
     def _run_warm_up(self) -> None:
         """Run every batch size that can be admitted (1 .. ``max_sessions``, at most
@@ -743,8 +745,7 @@ class RealtimeEngine:
             self._forget(session_id)
             if session_id in batch.session_ids:
                 batch.close(session_id)
-                if not len(batch):
-                    self._clear_cache()
+                self._release_if_idle()
             return Reply()
         if session_id not in batch.session_ids:
             return Reply(error=ProtocolError(INFERENCE_ERROR, "no active session for this connection"))
@@ -767,8 +768,7 @@ class RealtimeEngine:
             elif command.kind == "cancel":
                 self._forget(session_id)
                 events = batch.cancel(session_id)
-                if not len(batch):
-                    self._clear_cache()
+                self._release_if_idle()
                 return Reply(events=[serialize_event(event) for event in events])
             else:
                 raise ValueError(f"unknown engine command {command.kind!r}")
