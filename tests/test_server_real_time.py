@@ -515,11 +515,17 @@ def test_serve_options_reach_the_engine(tiny, monkeypatch):
     for horizon, frames in (("0", 0), ("call", 7500), ("60", 750), ("1e9", 7500)):
         assert cli.main(argv + ["--max-sessions", "2", "--tick-budget-horizon", horizon], hard_exit=False) == 0
         assert captured["engine"].budget.horizon_frames == frames
+    assert captured["engine"]._remeasure_schedule.interval == 60.0  # default: again at most once a minute
+    for remeasure, interval in (("off", None), ("5", 5.0), ("0.5", 0.5)):
+        assert cli.main(argv + ["--max-sessions", "2", "--tick-budget-remeasure", remeasure], hard_exit=False) == 0
+        assert captured["engine"]._remeasure_schedule.interval == interval
     assert cli.main(argv + ["--max-sessions", "2", "--max-session-seconds", "30"], hard_exit=False) == 0
     assert captured["engine"].budget.horizon_frames == 375  # at most the session limit
     assert captured["engine"].session_frames == 375  # memory is sized for the session limit
     for bad in (["--tick-budget", "0"], ["--tick-budget", "1.5"], ["--max-lag", "-1"], ["--max-sessions", "many"], ["--tick-budget", "x"],
-                ["--tick-gather", "-0.1"], ["--tick-budget-horizon", "-1"], ["--tick-budget-horizon", "inf"], ["--tick-budget-horizon", "soon"]):
+                ["--tick-gather", "-0.1"], ["--tick-budget-horizon", "-1"], ["--tick-budget-horizon", "inf"], ["--tick-budget-horizon", "soon"],
+                ["--tick-budget-remeasure", "0"], ["--tick-budget-remeasure", "-5"], ["--tick-budget-remeasure", "inf"],
+                ["--tick-budget-remeasure", "never"]):
         assert cli.main(argv + bad, hard_exit=False) == 2
     with pytest.raises(ValueError, match="budget_horizon"):
         RealtimeEngine(lambda: None, max_sessions=2, budget_horizon=-1.0)

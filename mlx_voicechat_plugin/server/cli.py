@@ -27,6 +27,7 @@ from .settings import (
     SEND_TIMEOUT,
     SESSION_UPDATE_TIMEOUT,
 )
+from .warm_up import REMEASURE_IDLE_SECONDS, REMEASURE_SECONDS
 
 
 def _origins(values: list[str] | None) -> list[str]:
@@ -74,6 +75,16 @@ def _horizon(text: str) -> float | None:
     value = _number(text, "number of seconds")
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"--tick-budget-horizon must be 'call' or a number of seconds >= 0, got {text}")
+    return value
+
+
+def _remeasure(text: str) -> float | None:
+    """``--tick-budget-remeasure``: a positive, finite number of seconds, or ``off`` (None)."""
+    if text.strip().lower() == "off":
+        return None
+    value = _number(text, "number of seconds")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--tick-budget-remeasure must be a positive number of seconds or off, got {text}")
     return value
 
 
@@ -141,6 +152,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-sessions", type=_sessions, default=1, help="conversations served at once, advanced together in one batched step per 80 ms frame; the next connection gets server_busy (default 1); 'auto': as many as the tick budget admits")
     parser.add_argument("--tick-budget", type=_fraction, default=0.9, help="with several sessions: admit a new one only while the predicted p95 tick with it stays within this fraction of the 80 ms frame (default 0.9; 'off': --max-sessions alone decides)")
     parser.add_argument("--tick-budget-horizon", type=_horizon, default=None, metavar="SECONDS|call", help="with several sessions: how far ahead the tick budget looks as the sessions talk and their attention caches grow (default 'call': until each session reaches its time limit, so an admitted call stays on time to its end; 0: the tick as it is now; larger values are capped at the session limit)")
+    parser.add_argument("--tick-budget-remeasure", type=_remeasure, default=REMEASURE_SECONDS, metavar="SECONDS|off", help=f"with several sessions: after the tick budget has refused a caller, time the batch sizes again once the server is idle (no session for {REMEASURE_IDLE_SECONDS:g} s), at most once every this many seconds, and admit by the new figures (default {REMEASURE_SECONDS:g}; a caller connecting meanwhile waits at most one tick; 'off': only at start)")
     parser.add_argument("--tick-gather", type=_gather, default=None, help="with several sessions: longest a ready frame waits for the other live sessions' frames, in seconds (default 0.08, one frame; 0: tick at once)")
     parser.add_argument("--max-lag", type=_seconds, default=None, help="close a session (server_busy) whose frames are answered more than this many seconds behind real time (default 2 with several sessions; no bound with one)")
     parser.add_argument("--allowed-hosts", action="append", default=None, help="host names the server answers GET requests and browsers under besides IP addresses and localhost (DNS rebinding guard; a non-browser WebSocket client may use any name; comma/space separated; '*' for any)")
@@ -362,7 +374,7 @@ def _serve(argv: list[str] | None, prog: str, hard_exit: bool) -> int:
     engine = RealtimeEngine(
         loader, max_sessions=args.max_sessions, tick_budget=args.tick_budget, max_lag=args.max_lag,
         gather_seconds=args.tick_gather, progress=progress, budget_horizon=horizon, session_seconds=session_limit,
-        max_prompt_tokens=args.max_prompt_tokens,
+        max_prompt_tokens=args.max_prompt_tokens, remeasure_seconds=args.tick_budget_remeasure,
     )
     print(f"loading {model_path} ...", file=sys.stderr, flush=True)
     try:

@@ -20,10 +20,11 @@ With more than one slot it keeps every caller on time (``docs/server.md``, "Real
 load"): a tick waits for every live session's frame (:mod:`.tick_gather`); a new session is
 admitted only while the predicted p95 tick with one more session fits the frame budget, now
 and as the calls' caches grow until they end (:mod:`.tick_budget`; ``max_sessions="auto"``
-admits by that rule alone); every batch size
-that can be admitted is run once before the first session (warm-up), so no live tick pays a
-first-time shape; and when frames are answered more than ``max_lag`` seconds behind real
-time (:mod:`.lag_clock`), the newest lagging session gets ``server_busy`` and is closed (at
+admits by that rule alone); every batch size that can be admitted is run once before the
+first session (warm-up, :mod:`.warm_up`), so no live tick pays a first-time shape, and
+again while idle after the budget has refused a caller (its figures are only as good as the
+machine's speed while it ran); and when frames are answered more than ``max_lag`` seconds
+behind real time (:mod:`.lag_clock`), the newest lagging session gets ``server_busy`` and is closed (at
 most one every ``max_lag`` seconds, so the others catch up).
 """
 
@@ -54,6 +55,7 @@ from .protocol import (
 from .settings import MAX_SESSION_SECONDS
 from .tick_budget import DEFAULT_FRACTION, TickBudget
 from .tick_gather import TickGather
+from .warm_up import FRAME_SECONDS, REMEASURE_SECONDS, Interrupted, RemeasureSchedule, WarmUp
 
 #: Longest time (s) a new connection waits for the slot of a session whose client has
 #: already gone (:meth:`RealtimeEngine.reserve`): its close is one engine command, behind at
@@ -72,21 +74,6 @@ AUTO_MAX_SESSIONS = 32
 AUTO_ADMIT_INTERVAL = 1.0
 #: Default bound (s) on a session's lag behind real time, with more than one slot.
 DEFAULT_MAX_LAG = 2.0
-#: One frame (seconds).
-FRAME_SECONDS = 0.08
-#: Frames each batch size runs during the warm-up (the last five are timed).
-WARM_UP_TICKS = 8
-#: Frames each batch size runs after its sessions' caches were lengthened by the budget's
-#: horizon (the first pays the caches' regrowth; the rest are timed).
-EXTENDED_TICKS = 4
-#: The warm-up lengthens a size's caches only while they take at most this share of the
-#: device's free memory (:func:`~..accel.memory.free_memory_bytes`); larger sizes' growth is
-#: carried over from the largest size lengthened (:meth:`.TickBudget.growth`).
-EXTEND_MEMORY_SHARE = 0.5
-#: With several slots, the sessions' KV caches at the session limit may fill at most this
-#: share of the device's free memory after the model has loaded: the warm-up works out how
-#: many sessions that is (:attr:`RealtimeEngine.memory_sessions`) and no more are admitted.
-MEMORY_SHARE = 0.8
 #: A prompt-only tick runs between frame ticks when this multiple of its expected time fits
 #: before the live sessions' next frames (its time varies from tick to tick).
 PROMPT_MARGIN = 1.25
@@ -128,23 +115,6 @@ def _error_reply(events: list[dict], error: BaseException) -> Reply:
     return Reply(events=events, error=ProtocolError(INFERENCE_ERROR, f"model failure: {error}"))
 
 
-def _warm_up_audio(samples: int):
-    """``samples`` of 16 kHz speech for the warm-up (the bundled spoken question, from 0.5 s
-    in: live-like work for the transcript), or low noise when it is missing."""
-    import numpy as np
-
-    try:
-        from ..demo.sample import sample_speech
-        from ..runtime.audio_io import read_audio
-
-        speech = read_audio(sample_speech(), 16_000)[8_000 : 8_000 + samples]
-        if speech.shape[0] == samples:
-            return speech.astype(np.float32)
-    except (OSError, ValueError, ImportError):
-        pass
-    return np.random.default_rng(0).uniform(-0.1, 0.1, samples).astype(np.float32)
-
-
 class RealtimeEngine:
     """Dedicated MLX thread with ``max_sessions`` session slots.
 
@@ -162,7 +132,7 @@ class RealtimeEngine:
             size with its sessions' caches lengthened by it.
         session_seconds: the longest session (the server's ``max_session_seconds``); with
             several slots the warm-up admits at most as many sessions as have room for their
-            KV caches this long in :data:`MEMORY_SHARE` of the free memory
+            KV caches this long in :data:`.warm_up.MEMORY_SHARE` of the free memory
             (:attr:`memory_sessions`).
         max_prompt_tokens: the longest system prompt a session may open with (its tokens
             take cache positions too; the server's ``--max-prompt-tokens``).
@@ -173,8 +143,13 @@ class RealtimeEngine:
             (default one frame, 0.08 s, with more than one slot; 0 with one).
         warm_up: run every admissible batch size before serving (default: with more than
             one slot).
+        remeasure_seconds: with the warm-up, after the tick budget has refused a caller,
+            run it again once the engine is idle, at most once every this many seconds
+            (default :data:`.warm_up.REMEASURE_SECONDS`; None: only at start;
+            :class:`.warm_up.RemeasureSchedule`).
         progress: called with one line of text as the start proceeds (loaded in N s, the
-            warm-up's batch sizes and their median ticks); default: nothing is reported.
+            warm-up's batch sizes and their median ticks) and when the warm-up ran again;
+            default: nothing is reported.
 
     Raises:
         ValueError: ``max_sessions`` is neither a positive integer nor ``"auto"``, or
@@ -193,6 +168,7 @@ class RealtimeEngine:
         max_lag: float | None = None,
         gather_seconds: float | None = None,
         warm_up: bool | None = None,
+        remeasure_seconds: float | None = REMEASURE_SECONDS,
         progress: Callable[[str], None] | None = None,
     ):
         self.auto = max_sessions == "auto"
@@ -224,6 +200,7 @@ class RealtimeEngine:
         self._progress_frames: dict[str, tuple[int, int | None]] = {}
         self._gather = TickGather(FRAME_SECONDS if gather_seconds is None and several else (gather_seconds or 0.0))
         self._warm_up = several if warm_up is None else bool(warm_up)
+        self._remeasure_schedule = RemeasureSchedule(remeasure_seconds)
         self._progress = progress or (lambda line: None)
         #: What the engine thread is doing: ``"loading the checkpoint"``, ``"warming up"``
         #: or ``"serving"`` (for messages about an interrupted start).
@@ -363,7 +340,10 @@ class RealtimeEngine:
             return False
         progress = self._progress_frames
         calls = [progress.get(session_id, (0, None)) for session_id in self._reserved]
-        return self.budget.admits(held + 1, calls + [(0, None)])
+        if self.budget.admits(held + 1, calls + [(0, None)]):
+            return True
+        self._remeasure_schedule.refused()  # the warm-up runs again once idle
+        return False
 
     def _memory_full(self, held: int) -> bool:
         """True when ``held`` sessions fill the room in memory (:attr:`memory_sessions`,
@@ -417,6 +397,7 @@ class RealtimeEngine:
             self._progress(f"warming up batch sizes {sizes}{self.max_sessions} (no live tick pays a first-time shape) ...")
             try:
                 self._run_warm_up()
+                self._remeasure_schedule.measured()
                 self._progress(f"warm-up done in {time.monotonic() - started:.1f} s")
             except Exception:  # noqa: BLE001 - serving without it is still correct
                 logger.exception("the batch-size warm-up failed; serving without it")
@@ -426,7 +407,13 @@ class RealtimeEngine:
         while True:
             commands = []
             if not self._waiting:
-                commands.append(self._commands.get())
+                wait = self._remeasure_schedule.wait_seconds() if self._idle() else None
+                try:
+                    commands.append(self._commands.get(timeout=wait))
+                except queue.Empty:  # idle that long, a caller refused since the last warm-up
+                    if self._idle():
+                        self._remeasure()
+                    continue
             else:
                 hold = self._gather_hold()
                 if hold > 0:  # tick gather: the other live sessions' frames are due
@@ -593,99 +580,58 @@ class RealtimeEngine:
         self._release_if_idle()
 
     def _run_warm_up(self) -> None:
-        """Run every batch size that can be admitted (1 .. ``max_sessions``, at most
-        :attr:`memory_sessions`, which the first size works out (:meth:`_size_memory`),
-        stopping after the first whose median tick exceeds the budget's share of a frame) for
-        :data:`WARM_UP_TICKS` frames of speech (:func:`_warm_up_audio`), so that no live tick
-        pays a first-time shape; the last five ticks of each size seed :attr:`budget`. With
-        a budget horizon, each size then runs :data:`EXTENDED_TICKS` more frames with its
-        sessions' KV caches lengthened by the horizon (``BatchedEngine.extend_history``),
-        which gives the budget the tick's growth over a call (:meth:`.TickBudget.growth`),
-        up to the first size whose lengthened caches would take more than
-        :data:`EXTEND_MEMORY_SHARE` of the free memory (larger sizes' growth is carried
-        over per row)."""
+        """The start's warm-up (:class:`.warm_up.WarmUp`) into :attr:`budget`, reporting each
+        size; it sets :attr:`memory_sessions`."""
+        warm_up = self._warm_up_run(self.budget, self._progress)
+        try:
+            warm_up.run()
+        finally:
+            self.memory_sessions = warm_up.memory_sessions
 
-        batch = self._batch
+    def _warm_up_run(self, budget: TickBudget, report, interrupt=None) -> WarmUp:
+        return WarmUp(
+            self._batch, budget, max_sessions=self.max_sessions, session_frames=self.session_frames,
+            prompt_tokens=self._prompt_tokens, report=report, clear_cache=self._clear_cache, interrupt=interrupt,
+        )
+
+    def _idle(self) -> bool:
+        """No session open in the engine and none waiting for a tick."""
+        return not self._waiting and not len(self._batch)
+
+    def _remeasure(self) -> None:
+        """Run the warm-up again while idle (:mod:`.warm_up`): into a fresh budget, adopted
+        (with its memory bound) only when it completes; a command arriving meanwhile
+        interrupts it between two ticks and the figures in force stay. Reports one line
+        when it completes."""
         budget = self.budget
-        lengthen = budget.horizon_frames  # 0 from the first size whose long caches would not fit
-        audio = _warm_up_audio(batch.frame_samples * (WARM_UP_TICKS + (EXTENDED_TICKS if lengthen else 0)))
-        for rows in range(1, self.max_sessions + 1):
-            if self.memory_sessions is not None and rows > self.memory_sessions:
-                break  # never admitted
-            ids = [batch.open(session_id=f"warm-up-{rows}-{row}", incremental_prefill=False) for row in range(rows)]
-            try:
-                note = self._warm_up_size(ids, audio, lengthen)
-            finally:
-                for session_id in ids:
-                    batch.close(session_id)
-                self._clear_cache(trim=False)  # the lengthened caches (the heap kept for the next size)
-            if note:
-                lengthen = 0
-            median = budget.warm_median(rows)
-            line = f"  {rows} session{'s' if rows > 1 else ''}" + (f": median tick {median * 1000:.1f} ms" if median else "")
-            growth = budget.growth(rows) if budget.horizon_frames else None
-            if median and growth is not None:
-                horizon = budget.horizon_frames
-                line += f", {(median + growth * horizon) * 1000:.1f} ms after {horizon * FRAME_SECONDS:.0f} s of talk"
-            line += note
-            if rows > 1 and median is not None and median > budget.limit_seconds:
-                self._progress(f"{line}, over the tick budget ({budget.limit_seconds * 1000:.1f} ms): no more sizes")
-                break
-            self._progress(line)
-        self._clear_cache(trim=True)  # the warm-up's peak back to the system
-
-    def _size_memory(self, session_id: str) -> None:
-        """Set :attr:`memory_sessions`: how many sessions' KV caches at the session limit
-        and the longest prompt (``BatchedEngine.extended_bytes`` of the warm-up session
-        ``session_id``, which has run frames, so every cache is in use) fit in
-        :data:`MEMORY_SHARE` of the free memory (:func:`~..accel.memory.free_memory_bytes`;
-        at least one; left None where the free memory is unknown); reported when that is
-        fewer than ``max_sessions``."""
-        from ..accel.memory import free_memory_bytes
-
-        each = self._batch.extended_bytes(session_id, self.session_frames + self._prompt_tokens)
-        free = free_memory_bytes()
-        if free is None or each <= 0:
+        fresh = TickBudget(budget.frame_seconds, budget.fraction, clock=budget._clock, horizon_frames=budget.horizon_frames)
+        lines: list[str] = []
+        warm_up = self._warm_up_run(fresh, lines.append, interrupt=lambda: not self._commands.empty())
+        token = self._remeasure_schedule.start()
+        before = self._capacity()
+        try:
+            warm_up.run()
+        except Interrupted:
+            self.metrics.remeasured("interrupted")
             return
-        self.memory_sessions = max(1, int(MEMORY_SHARE * free // each))
-        if self.memory_sessions < self.max_sessions:
-            seconds = self.session_frames * FRAME_SECONDS
-            self._progress(
-                f"  memory: room for {self.memory_sessions} session{'s' if self.memory_sessions > 1 else ''}' caches "
-                f"{seconds:.0f} s long ({each / 2**30:.2f} GiB each, {free / 2**30:.1f} GiB free): "
-                f"at most {self.memory_sessions} at once"
-            )
+        except Exception:  # noqa: BLE001 - the figures in force stay; serving goes on
+            logger.exception("running the batch-size warm-up again failed; the earlier figures stay")
+            self.metrics.remeasured("failed")
+            self._release_if_idle()
+            return
+        budget.adopt_warm_up(fresh)
+        self.memory_sessions = warm_up.memory_sessions
+        self._remeasure_schedule.completed(token)
+        self.metrics.remeasured("completed")
+        sizes = "; ".join(line.strip() for line in lines)
+        self._progress(
+            f"the tick budget refused a caller: batch sizes timed again while idle: {sizes}; "
+            f"admits up to {self._capacity()} session{'s' if self._capacity() > 1 else ''} (was {before})"
+        )
 
-    def _warm_up_size(self, ids: list[str], audio, lengthen: int) -> str:
-        """Tick the warm-up sessions ``ids`` over ``audio`` (:meth:`_run_warm_up`; the first
-        size also sizes memory, :meth:`_size_memory`), then, when ``lengthen`` frames of
-        their caches fit in :data:`EXTEND_MEMORY_SHARE` of the free memory,
-        :data:`EXTENDED_TICKS` more with the caches lengthened; returns a note for the
-        progress line when they did not fit ("" otherwise)."""
-        from ..accel.memory import free_memory_bytes
-
-        batch, budget, rows = self._batch, self.budget, len(ids)
-        for session_id in ids:
-            batch.push_audio(session_id, audio)
-        for tick in range(WARM_UP_TICKS):
-            batch.tick()
-            if tick >= WARM_UP_TICKS - 5:
-                budget.observe(rows, batch.last_frame_seconds, warm_up=True)
-        if rows == 1:
-            self._size_memory(ids[0])
-        if not lengthen:
-            return ""
-        needed = sum(batch.extended_bytes(session_id, lengthen) for session_id in ids)
-        free = free_memory_bytes()
-        if free is not None and needed > EXTEND_MEMORY_SHARE * free:
-            return f" (growth carried over: this size's long caches would take {needed / 2**30:.1f} of {free / 2**30:.1f} GiB free)"
-        for session_id in ids:
-            batch.extend_history(session_id, lengthen)
-        for tick in range(EXTENDED_TICKS):
-            batch.tick()
-            if tick:  # the first pays the caches' regrowth
-                budget.observe_extended(rows, batch.last_frame_seconds, lengthen)
-        return ""
+    def _capacity(self) -> int:
+        """Sessions the budget and the memory bound admit now, each to run a whole call."""
+        return self.budget.capacity(min(self.max_sessions, self.memory_sessions or self.max_sessions))
 
     def _shutdown(self) -> None:
         for session_id in self._batch.session_ids:

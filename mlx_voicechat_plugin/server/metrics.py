@@ -29,6 +29,11 @@ counters):
                                                        ``evicted``, ``bad_request`` (counter;
                                                        the last four from
                                                        :mod:`.transport_guards`)
+``voicechat_tick_budget_remeasures_total{outcome}``    batch-size warm-ups run again while idle
+                                                       after the tick budget refused a caller
+                                                       (:mod:`.warm_up`): ``completed`` (its
+                                                       figures adopted), ``interrupted`` (a
+                                                       command came first), ``failed`` (counter)
 =====================================================  ==========================================
 """
 
@@ -46,6 +51,8 @@ REJECT_REASONS = (
     "server_busy", "tick_budget", "unauthorized", "origin", "connection_cap", "probe_headroom", "evicted",
     "bad_request", "memory",
 )
+#: ``outcome`` labels of the re-measures counter.
+REMEASURE_OUTCOMES = ("completed", "interrupted", "failed")
 #: Frame-lag histogram buckets (seconds).
 LAG_BUCKETS = (0.02, 0.04, 0.08, 0.12, 0.16, 0.24, 0.32, 0.5, 1.0, 2.0, 4.0)
 
@@ -108,6 +115,14 @@ class ServerMetrics:
         )
         for reason in REJECT_REASONS:
             self.rejected.labels(reason=reason)
+        self.remeasures = Counter(
+            "voicechat_tick_budget_remeasures",
+            "Batch-size warm-ups run again while idle after the tick budget refused a caller, by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in REMEASURE_OUTCOMES:
+            self.remeasures.labels(outcome=outcome)
 
     def observe_tick(self, seconds: float, frames: int) -> None:
         """Record one tick that ran ``frames`` frames (one per session) in ``seconds``."""
@@ -127,6 +142,10 @@ class ServerMetrics:
     def reject(self, reason: str) -> None:
         """Count a refused connection (``reason`` one of :data:`REJECT_REASONS`)."""
         self.rejected.labels(reason=reason).inc()
+
+    def remeasured(self, outcome: str) -> None:
+        """Count a warm-up run again while idle (``outcome`` one of :data:`REMEASURE_OUTCOMES`)."""
+        self.remeasures.labels(outcome=outcome).inc()
 
     def render(self) -> bytes:
         """The registry in the Prometheus text format."""

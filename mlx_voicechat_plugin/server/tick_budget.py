@@ -15,7 +15,8 @@ carries a joining session's prompt token or steps a session's first frames:
   it is the tick's time that counts, not how often it runs;
 * the warm-up's median tick of ``n`` rows (run before the first session,
   :meth:`observe` with ``warm_up=True``; the median, so that one slow tick of a few does not
-  refuse a size for good): a size whose tick is too long is never admitted;
+  refuse a size for good): a size whose tick is too long is not admitted until a warm-up
+  run again while idle (:mod:`.warm_up`) replaces the figures (:meth:`adopt_warm_up`);
 
 whichever is larger, and admits a session only while it stays within ``fraction`` x the
 frame (72 ms by default) and while the sessions already running are on time: no session is
@@ -101,6 +102,7 @@ class TickBudget:
         self._warm_cache: dict[int, float | None] = {}
         self._extended: dict[int, tuple[int, list[float]]] = {}  # rows -> (frames added, ticks)
         self._growth_cache: dict[int, float] | None = None  # measured growth per extended size
+        self._generation = 0  # counts changes of the warm-up's records (growth's cache)
         self._lags: collections.deque[tuple[float, float, str | None]] = collections.deque(maxlen=1024)
         self._lock = threading.Lock()
 
@@ -114,8 +116,23 @@ class TickBudget:
                 self._warm_up.setdefault(rows, []).append(float(seconds))
                 self._warm_cache.pop(rows, None)
                 self._growth_cache = None
+                self._generation += 1
             else:
                 self._ticks.append((self._clock(), rows, float(seconds)))
+
+    def adopt_warm_up(self, other: TickBudget) -> None:
+        """Take ``other``'s warm-up records (its ticks per size and its extended ticks) in
+        place of this budget's, all at once: a warm-up run again (:mod:`.warm_up`) replaces
+        the one before, sizes it did not reach included. The live ticks and lags stay."""
+        with other._lock:
+            warm = {rows: list(ticks) for rows, ticks in other._warm_up.items()}
+            extended = {rows: (frames, list(ticks)) for rows, (frames, ticks) in other._extended.items()}
+        with self._lock:
+            self._warm_up = warm
+            self._extended = extended
+            self._warm_cache = {}
+            self._growth_cache = None
+            self._generation += 1
 
     def observe_extended(self, rows: int, seconds: float, frames: int) -> None:
         """Record a warm-up tick of ``rows`` sessions whose KV caches were each lengthened
@@ -128,22 +145,29 @@ class TickBudget:
                 self._extended[rows] = known_frames, ticks = frames, []
             ticks.append(float(seconds))
             self._growth_cache = None
+            self._generation += 1
 
     def growth(self, rows: int) -> float | None:
         """Seconds a tick of ``rows`` rows gains per frame that every one of its sessions
         runs (>= 0): the warm-up's median extended tick less its median tick, over the
         frames added; for a size not extended, the nearest extended size's, per row. None
         when nothing was extended."""
-        measured = self._growth_cache
-        if measured is None:  # the warm-up's records changed: measure again
-            measured = {}
-            with self._lock:
+        with self._lock:
+            measured = self._growth_cache
+            if measured is None:  # the warm-up's records changed: measure again (from one copy)
+                generation = self._generation
                 extended = [(size, frames, list(ticks)) for size, (frames, ticks) in self._extended.items()]
+                bases = {size: list(self._warm_up.get(size, [])) for size, _, _ in extended}
+        if measured is None:
+            measured = {}
             for size, frames, ticks in extended:
-                base = self.warm_median(size)
-                if base is not None and len(ticks) >= MIN_SAMPLES:
-                    measured[size] = max(0.0, float(np.median(np.asarray(ticks))) - base) / frames
-            self._growth_cache = measured
+                base = bases[size]
+                if len(base) >= MIN_SAMPLES and len(ticks) >= MIN_SAMPLES:
+                    growth = float(np.median(np.asarray(ticks))) - float(np.median(np.asarray(base)))
+                    measured[size] = max(0.0, growth) / frames
+            with self._lock:
+                if self._generation == generation:  # not replaced meanwhile (adopt_warm_up)
+                    self._growth_cache = measured
         if not measured:
             return None
         if rows in measured:
