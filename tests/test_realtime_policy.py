@@ -152,6 +152,23 @@ def test_budget_projects_the_tick_to_the_end_of_the_calls():
     assert now.projected([(7500, 0), (7500, 0)]) == pytest.approx(0.050)
 
 
+def test_a_session_left_alone_late_in_its_call_does_not_refuse_a_second():
+    """The warm-up puts one session 600 s into its call over the budget (20 ms + 60 ms of
+    growth), two sessions within it: a caller joining one that is about to end is admitted,
+    as the first caller always is; the phase where it runs alone delays nobody."""
+    budget = TickBudget(fraction=0.9, horizon_frames=7500)  # 72 ms
+    for _ in range(3):
+        budget.observe(1, 0.020, warm_up=True)
+        budget.observe(2, 0.025, warm_up=True)
+        budget.observe_extended(1, 0.080, 7500)
+        budget.observe_extended(2, 0.060, 7500)
+    joining = [(7000, 500), (0, 7500)]
+    # both running: 25 ms + 35 ms of growth per session-call over 7,000 + 2 x 500 frames
+    assert budget.projected(joining) == pytest.approx(0.025 + 0.035 / 2 * 8000 / 7500)
+    assert budget.admits(2, joining)
+    assert budget.warm_tick(1, 7500) == pytest.approx(0.080)  # the newcomer alone at its end: over
+
+
 def test_budget_sees_long_calls_when_no_tick_ran_lately():
     """Three calls 590 s in (the warm-up puts their tick at 20 ms + 3 x 7,375 frames of
     growth) that have been quiet for longer than the live window: the warm-up's prediction

@@ -407,11 +407,12 @@ class RealtimeEngine:
         while True:
             commands = []
             if not self._waiting:
-                wait = self._remeasure_schedule.wait_seconds() if self._idle() else None
+                # with no session open: look now and then whether the warm-up is due again
+                wait = self._remeasure_schedule.wait_seconds() if not len(self._batch) else None
                 try:
                     commands.append(self._commands.get(timeout=wait))
-                except queue.Empty:  # idle that long, a caller refused since the last warm-up
-                    if self._idle():
+                except queue.Empty:  # no command for that long
+                    if self._idle() and self._remeasure_schedule.due():
                         self._remeasure()
                     continue
             else:
@@ -595,8 +596,9 @@ class RealtimeEngine:
         )
 
     def _idle(self) -> bool:
-        """No session open in the engine and none waiting for a tick."""
-        return not self._waiting and not len(self._batch)
+        """No session open in the engine, none waiting for a tick and no slot held by a
+        connection (one that has not configured its session yet would soon need the engine)."""
+        return not self._waiting and not len(self._batch) and not self.sessions_active
 
     def _remeasure(self) -> None:
         """Run the warm-up again while idle (:mod:`.warm_up`): into a fresh budget, adopted
@@ -608,7 +610,7 @@ class RealtimeEngine:
         lines: list[str] = []
         warm_up = self._warm_up_run(fresh, lines.append, interrupt=lambda: not self._commands.empty())
         token = self._remeasure_schedule.start()
-        before = self._capacity()
+        before = self._capacity()  # by the warm-up's figures alone, as after
         try:
             warm_up.run()
         except Interrupted:
@@ -624,14 +626,19 @@ class RealtimeEngine:
         self._remeasure_schedule.completed(token)
         self.metrics.remeasured("completed")
         sizes = "; ".join(line.strip() for line in lines)
+        after = self._capacity()
+        runs = budget.warm_up_runs
         self._progress(
             f"the tick budget refused a caller: batch sizes timed again while idle: {sizes}; "
-            f"admits up to {self._capacity()} session{'s' if self._capacity() > 1 else ''} (was {before})"
+            f"by the lower median of the last {runs} warm-up runs it admits up to {after} "
+            f"session{'s' if after > 1 else ''} (was {before})"
         )
 
     def _capacity(self) -> int:
-        """Sessions the budget and the memory bound admit now, each to run a whole call."""
-        return self.budget.capacity(min(self.max_sessions, self.memory_sessions or self.max_sessions))
+        """Sessions the warm-up's figures and the memory bound admit (live ticks left out),
+        each to run a whole call."""
+        ceiling = min(self.max_sessions, self.memory_sessions or self.max_sessions)
+        return self.budget.capacity(ceiling, live_ticks=False)
 
     def _shutdown(self) -> None:
         for session_id in self._batch.session_ids:

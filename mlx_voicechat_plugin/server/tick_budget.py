@@ -15,8 +15,9 @@ carries a joining session's prompt token or steps a session's first frames:
   it is the tick's time that counts, not how often it runs;
 * the warm-up's median tick of ``n`` rows (run before the first session,
   :meth:`observe` with ``warm_up=True``; the median, so that one slow tick of a few does not
-  refuse a size for good): a size whose tick is too long is not admitted until a warm-up
-  run again while idle (:mod:`.warm_up`) replaces the figures (:meth:`adopt_warm_up`);
+  refuse a size for good; after warm-ups run again while idle, :mod:`.warm_up`, the lower
+  median over the last :data:`WARM_UP_RUNS` runs, :meth:`adopt_warm_up`): a size whose tick
+  is too long is not admitted;
 
 whichever is larger, and admits a session only while it stays within ``fraction`` x the
 frame (72 ms by default) and while the sessions already running are on time: no session is
@@ -64,6 +65,21 @@ RECENT_SECONDS = 3.0
 MIN_SAMPLES = 3
 #: Default budget: the predicted p95 tick may take this fraction of the 80 ms frame.
 DEFAULT_FRACTION = 0.9
+#: Warm-up runs whose figures count (the start's and those run again while idle, newest
+#: last): each size's tick and growth are the lower median over them (:func:`lower_median`).
+WARM_UP_RUNS = 5
+
+
+def lower_median(values: list[float]) -> float:
+    """The median of ``values``, the lower of the two middle ones for an even count (of
+    two runs' figures, the smaller: one run in a slow spell neither caps nor lowers).
+
+    Raises:
+        ValueError: ``values`` is empty.
+    """
+    if not values:
+        raise ValueError("no values")
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 class TickBudget:
@@ -98,7 +114,9 @@ class TickBudget:
         self.horizon_frames = horizon_frames
         self._clock = clock
         self._ticks: collections.deque[tuple[float, int, float]] = collections.deque(maxlen=1024)
-        self._warm_up: dict[int, list[float]] = {}
+        self._warm_up: dict[int, list[float]] = {}  # the newest warm-up run: rows -> ticks
+        #: earlier warm-up runs, oldest first: (ticks per size, extended ticks per size)
+        self._earlier: collections.deque[tuple[dict, dict]] = collections.deque(maxlen=WARM_UP_RUNS - 1)
         self._warm_cache: dict[int, float | None] = {}
         self._extended: dict[int, tuple[int, list[float]]] = {}  # rows -> (frames added, ticks)
         self._growth_cache: dict[int, float] | None = None  # measured growth per extended size
@@ -121,18 +139,27 @@ class TickBudget:
                 self._ticks.append((self._clock(), rows, float(seconds)))
 
     def adopt_warm_up(self, other: TickBudget) -> None:
-        """Take ``other``'s warm-up records (its ticks per size and its extended ticks) in
-        place of this budget's, all at once: a warm-up run again (:mod:`.warm_up`) replaces
-        the one before, sizes it did not reach included. The live ticks and lags stay."""
+        """Add ``other``'s warm-up records (its ticks per size and its extended ticks) as the
+        newest run, all at once (a warm-up run again while idle, :mod:`.warm_up`): from then
+        on each size's figures are the lower median over the last :data:`WARM_UP_RUNS` runs
+        that reached it (:meth:`warm_median`, :meth:`growth`). The live ticks and lags stay."""
         with other._lock:
             warm = {rows: list(ticks) for rows, ticks in other._warm_up.items()}
             extended = {rows: (frames, list(ticks)) for rows, (frames, ticks) in other._extended.items()}
         with self._lock:
+            if self._warm_up or self._extended:
+                self._earlier.append((self._warm_up, self._extended))
             self._warm_up = warm
             self._extended = extended
             self._warm_cache = {}
             self._growth_cache = None
             self._generation += 1
+
+    @property
+    def warm_up_runs(self) -> int:
+        """Warm-up runs whose figures count (at most :data:`WARM_UP_RUNS`)."""
+        with self._lock:
+            return len(self._earlier) + bool(self._warm_up or self._extended)
 
     def observe_extended(self, rows: int, seconds: float, frames: int) -> None:
         """Record a warm-up tick of ``rows`` sessions whose KV caches were each lengthened
@@ -150,21 +177,27 @@ class TickBudget:
     def growth(self, rows: int) -> float | None:
         """Seconds a tick of ``rows`` rows gains per frame that every one of its sessions
         runs (>= 0): the warm-up's median extended tick less its median tick, over the
-        frames added; for a size not extended, the nearest extended size's, per row. None
-        when nothing was extended."""
+        frames added (the lower median over the warm-up runs that extended that size); for a
+        size not extended, the nearest extended size's, per row. None when nothing was
+        extended."""
         with self._lock:
             measured = self._growth_cache
             if measured is None:  # the warm-up's records changed: measure again (from one copy)
                 generation = self._generation
-                extended = [(size, frames, list(ticks)) for size, (frames, ticks) in self._extended.items()]
-                bases = {size: list(self._warm_up.get(size, [])) for size, _, _ in extended}
+                runs = [
+                    ({size: list(ticks) for size, ticks in warm.items()},
+                     [(size, frames, list(ticks)) for size, (frames, ticks) in extended.items()])
+                    for warm, extended in (*self._earlier, (self._warm_up, self._extended))
+                ]
         if measured is None:
-            measured = {}
-            for size, frames, ticks in extended:
-                base = bases[size]
-                if len(base) >= MIN_SAMPLES and len(ticks) >= MIN_SAMPLES:
-                    growth = float(np.median(np.asarray(ticks))) - float(np.median(np.asarray(base)))
-                    measured[size] = max(0.0, growth) / frames
+            per_size: dict[int, list[float]] = {}
+            for warm, extended in runs:
+                for size, frames, ticks in extended:
+                    base = warm.get(size, [])
+                    if len(base) >= MIN_SAMPLES and len(ticks) >= MIN_SAMPLES:
+                        growth = float(np.median(np.asarray(ticks))) - float(np.median(np.asarray(base)))
+                        per_size.setdefault(size, []).append(max(0.0, growth) / frames)
+            measured = {size: lower_median(values) for size, values in per_size.items()}
             with self._lock:
                 if self._generation == generation:  # not replaced meanwhile (adopt_warm_up)
                     self._growth_cache = measured
@@ -198,16 +231,21 @@ class TickBudget:
 
     @property
     def warmed_sizes(self) -> list[int]:
-        """Batch sizes the warm-up ran, ascending."""
+        """Batch sizes the newest warm-up run ran, ascending."""
         return sorted(self._warm_up)
 
     def warm_median(self, rows: int) -> float | None:
-        """Median of the warm-up's ticks of ``rows`` rows (seconds; robust to one slow
-        tick of a few), or None."""
+        """The warm-up's tick of ``rows`` rows (seconds): the median of a run's ticks (robust
+        to one slow tick of a few), the lower median over the runs that reached that size
+        (:meth:`adopt_warm_up`); None when none did."""
         with self._lock:
             if rows not in self._warm_cache:
-                ticks = self._warm_up.get(rows, [])
-                self._warm_cache[rows] = float(np.median(np.asarray(ticks))) if len(ticks) >= MIN_SAMPLES else None
+                medians = [
+                    float(np.median(np.asarray(ticks)))
+                    for warm in (*(run for run, _ in self._earlier), self._warm_up)
+                    if len(ticks := warm.get(rows, [])) >= MIN_SAMPLES
+                ]
+                self._warm_cache[rows] = lower_median(medians) if medians else None
             return self._warm_cache[rows]
 
     @property
@@ -257,7 +295,7 @@ class TickBudget:
         growth = self.growth(sessions)
         return warm + (growth / sessions * frames_run if growth else 0.0)
 
-    def projected(self, progress: list[tuple[int, int | None]]) -> float | None:
+    def projected(self, progress: list[tuple[int, int | None]], live_ticks: bool = True) -> float | None:
         """The longest tick predicted while sessions run their remaining frames (seconds),
         or None while nothing is known.
 
@@ -265,17 +303,19 @@ class TickBudget:
             progress: per session ``(frames run, frames left)``: the frames it has run
                 so far and those it may still run (None: unbounded; at most
                 :attr:`horizon_frames` count). At each frame ``d`` ahead where some session
-                ends (and now, ``d = 0``), the ``n_d`` sessions still running are predicted
+                ends (and now, ``d = 0``) while at least two run (a session left alone
+                delays nobody), the ``n_d`` sessions still running are predicted
                 at the larger of :meth:`warm_tick` for ``n_d`` rows at their frames run
                 plus ``d`` each, and :meth:`live_p95` of ``n_d`` rows plus the growth of
                 ``d`` more frames each, scaled by the live ticks' slowdown (the live p95
                 of all the sessions now over the warm-up's prediction for now, at least 1).
+            live_ticks: False leaves the live ticks out (the warm-up's figures alone).
         """
         horizon = self.horizon_frames
         calls = [(max(0, run), horizon if left is None else min(max(0, left), horizon)) for run, left in progress]
         if not calls:
             return None
-        recent = self._recent()  # one copy of the live ticks for every point ahead
+        recent = self._recent() if live_ticks else []  # one copy of the live ticks for every point ahead
         live_of: dict[int, float | None] = {}
 
         def live(rows: int) -> float | None:
@@ -289,7 +329,7 @@ class TickBudget:
         predictions: list[float] = []
         for ahead in sorted({0, *(left for _, left in calls)}):
             running = [run for run, left in calls if left >= ahead]
-            if not running:
+            if len(running) < 2:  # a session left alone delays nobody (the first is always admitted)
                 continue
             rows = len(running)
             warm = self.warm_tick(rows, sum(running) + rows * ahead)
@@ -299,7 +339,9 @@ class TickBudget:
                 predictions.append(live(rows) + (self.growth(rows) or 0.0) * ahead * slowdown)
         return max(predictions, default=None)
 
-    def admits(self, sessions: int, progress: list[tuple[int, int | None]] | None = None) -> bool:
+    def admits(
+        self, sessions: int, progress: list[tuple[int, int | None]] | None = None, live_ticks: bool = True
+    ) -> bool:
         """True when a tick of ``sessions`` rows is predicted within the budget, now and,
         with a horizon, while they run (:meth:`projected`); always for the first session,
         and while nothing is known.
@@ -309,6 +351,7 @@ class TickBudget:
             progress: per session ``(frames run, frames left)`` (:meth:`projected`; the
                 list's length is ``sessions``); None: all of them at the start of a call
                 the horizon long.
+            live_ticks: False judges by the warm-up's figures alone (no live tick, no lag).
 
         Raises:
             ValueError: ``progress`` does not have ``sessions`` entries.
@@ -317,17 +360,17 @@ class TickBudget:
             raise ValueError(f"progress has {len(progress)} entries for {sessions} sessions")
         if sessions <= 1 or math.isinf(self.fraction):
             return True
-        if self.late():
+        if live_ticks and self.late():
             return False
         if progress is None:
             progress = [(0, None)] * sessions
-        predicted = self.projected(progress)
+        predicted = self.projected(progress, live_ticks)
         return predicted is None or predicted <= self.limit_seconds
 
-    def capacity(self, ceiling: int) -> int:
+    def capacity(self, ceiling: int, live_ticks: bool = True) -> int:
         """The most sessions (at most ``ceiling``) the budget admits now, each to run the
-        whole horizon."""
+        whole horizon (``live_ticks=False``: by the warm-up's figures alone)."""
         sessions = 1
-        while sessions < ceiling and self.admits(sessions + 1):
+        while sessions < ceiling and self.admits(sessions + 1, live_ticks=live_ticks):
             sessions += 1
         return sessions

@@ -9,9 +9,12 @@ What the warm-up measures depends on how fast the machine runs while it does: a 
 machine's slow spell or another job at start-up makes every tick look longer, and a size
 measured over budget is never admitted. So after the budget has refused a caller, the engine
 runs the warm-up again once it is idle (:class:`RemeasureSchedule`, at most once every
-``--tick-budget-remeasure`` seconds) into a fresh budget, and adopts its figures only when it
-completes: any command arriving meanwhile (a caller connecting) interrupts it between two
-ticks (:class:`Interrupted`) and the figures in force stay as they were.
+``--tick-budget-remeasure`` seconds) into a fresh budget, and adds its figures as the newest
+run only when it completes (:meth:`.TickBudget.adopt_warm_up`: each size's figures are then
+the lower median over the last runs, so one run in a slow spell, at start or later, neither
+caps nor lowers admission): any command arriving meanwhile (a caller connecting) interrupts
+it before its next tick, session opened or cache lengthened (:class:`Interrupted`), and the
+figures in force stay as they were.
 """
 
 from __future__ import annotations
@@ -77,8 +80,8 @@ class WarmUp:
         report: called with one line per size (and the memory bound, when it binds).
         clear_cache: ``clear_cache(trim)`` frees memory (the engine's
             ``RealtimeEngine._clear_cache``).
-        interrupt: checked before every tick; True raises :class:`Interrupted` (default:
-            never).
+        interrupt: checked before every tick, every session opened and every session's
+            caches lengthened; True raises :class:`Interrupted` (default: never).
 
     Attributes:
         memory_sessions: how many sessions' KV caches at the session limit fit in
@@ -113,8 +116,8 @@ class WarmUp:
         per row).
 
         Raises:
-            Interrupted: ``interrupt()`` said so before a tick (the warm-up's sessions are
-                closed and MLX's cache cleared first).
+            Interrupted: ``interrupt()`` said so (the warm-up's sessions are closed and
+                MLX's cache cleared first).
         """
         batch, budget = self.batch, self.budget
         lengthen = budget.horizon_frames  # 0 from the first size whose long caches would not fit
@@ -125,6 +128,7 @@ class WarmUp:
             ids: list[str] = []
             try:
                 for row in range(rows):
+                    self._check()
                     ids.append(batch.open(session_id=f"warm-up-{rows}-{row}", incremental_prefill=False))
                 note = self._size(ids, audio, lengthen)
             finally:  # whatever happened, no warm-up session stays open
@@ -146,9 +150,14 @@ class WarmUp:
             self.report(line)
         self.clear_cache(True)  # the warm-up's peak back to the system
 
-    def _tick(self) -> None:
+    def _check(self) -> None:
+        """Raise :class:`Interrupted` when ``interrupt()`` says so (before each tick, each
+        session opened and each session's caches lengthened: each takes about a tick)."""
         if self.interrupt():
             raise Interrupted
+
+    def _tick(self) -> None:
+        self._check()
         self.batch.tick()
 
     def _size_memory(self, session_id: str) -> None:
@@ -196,9 +205,8 @@ class WarmUp:
         free = free_memory_bytes()
         if free is not None and needed > EXTEND_MEMORY_SHARE * free:
             return f" (growth carried over: this size's long caches would take {needed / 2**30:.1f} of {free / 2**30:.1f} GiB free)"
-        if self.interrupt():
-            raise Interrupted
         for session_id in ids:
+            self._check()
             batch.extend_history(session_id, lengthen)
         for tick in range(EXTENDED_TICKS):
             self._tick()
@@ -211,8 +219,9 @@ class RemeasureSchedule:
     """When the engine runs the warm-up again: after the tick budget has refused a caller
     (:meth:`refused`, from admission on the event loop) since the last warm-up that
     completed, once the engine has had no command for :data:`REMEASURE_IDLE_SECONDS` and
-    no session is open, and at most once every ``interval`` seconds (counted from the
-    start of the last one, completed or not).
+    no session is open or held by a connection, and at most once every ``interval`` seconds
+    (counted from the start of the last one, completed or not). An interrupted run is
+    still wanted: it runs again at the next idle spell after the interval.
 
     Args:
         interval: least seconds between two warm-ups (> 0), or None: never again.
@@ -249,12 +258,25 @@ class RemeasureSchedule:
             self._started = self._clock()
 
     def wait_seconds(self) -> float | None:
-        """Seconds the engine may wait for a command before it runs the warm-up again
-        (given that no session is open), or None: no warm-up is wanted."""
+        """Seconds the engine may wait for a command (with no session open) before it looks
+        again whether a warm-up is :meth:`due`: at least ``idle_seconds``, until the
+        interval is over when one is wanted; None when none will ever be (no interval, or
+        the start's warm-up did not complete)."""
         with self._lock:
-            if self.interval is None or self._measured is None or self._refusals == self._measured:
+            if self.interval is None or self._measured is None:
                 return None
+            if self._refusals == self._measured:  # nothing wanted yet: look again later
+                return self.idle_seconds
             return max(self.idle_seconds, self._started + self.interval - self._clock())
+
+    def due(self) -> bool:
+        """A warm-up is wanted (a refusal since the last one that completed) and the
+        interval since the last one started is over."""
+        with self._lock:
+            return (
+                self.interval is not None and self._measured is not None and self._refusals != self._measured
+                and self._clock() >= self._started + self.interval
+            )
 
     def start(self) -> int:
         """A warm-up starts now; returns the token :meth:`completed` takes."""
