@@ -601,10 +601,11 @@ class RealtimeEngine:
         return not self._waiting and not len(self._batch) and not self.sessions_active
 
     def _remeasure(self) -> None:
-        """Run the warm-up again while idle (:mod:`.warm_up`): into a fresh budget, adopted
-        (with its memory bound) only when it completes; a command arriving meanwhile
-        interrupts it between two ticks and the figures in force stay. Reports one line
-        when it completes."""
+        """Run the warm-up again while idle (:mod:`.warm_up`): into a fresh budget, whose
+        records join the budget's as the newest run (:meth:`.TickBudget.adopt_warm_up`;
+        its memory bound replaces the last) only when it completes; a command arriving
+        meanwhile interrupts it before its next step and the figures in force stay.
+        Reports one line when it completes."""
         budget = self.budget
         fresh = TickBudget(budget.frame_seconds, budget.fraction, clock=budget._clock, horizon_frames=budget.horizon_frames)
         lines: list[str] = []
