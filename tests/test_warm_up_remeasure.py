@@ -180,7 +180,7 @@ def test_a_slow_start_no_longer_caps_the_server_once_it_has_timed_again_while_id
             assert _wait_for(lambda: _remeasures(engine, "completed") == 1, 30)
             assert engine.budget.warm_median(2) < engine.budget.limit_seconds
             line = lines[-1]
-            assert line.startswith("the tick budget refused a caller: batch sizes timed again while idle: 1 session: median tick ")
+            assert line.startswith("the tick budget was full: batch sizes timed again while idle: 1 session: median tick ")
             assert "; 2 sessions: median tick " in line, line
             assert line.endswith("by the lower median of the last 2 warm-up runs it admits up to 2 sessions (was 1)"), line
             with server.connect() as first, server.connect() as second:

@@ -630,7 +630,7 @@ class RealtimeEngine:
         after = self._capacity()
         runs = budget.warm_up_runs
         self._progress(
-            f"the tick budget refused a caller: batch sizes timed again while idle: {sizes}; "
+            f"the tick budget was full: batch sizes timed again while idle: {sizes}; "
             f"by the lower median of the last {runs} warm-up runs it admits up to {after} "
             f"session{'s' if after > 1 else ''} (was {before})"
         )

@@ -30,7 +30,7 @@ counters):
                                                        the last four from
                                                        :mod:`.transport_guards`)
 ``voicechat_tick_budget_remeasures_total{outcome}``    batch-size warm-ups run again while idle
-                                                       after the tick budget refused a caller
+                                                       after the tick budget said busy
                                                        (:mod:`.warm_up`): ``completed`` (its
                                                        figures adopted), ``interrupted`` (a
                                                        command came first), ``failed`` (counter)
@@ -117,7 +117,7 @@ class ServerMetrics:
             self.rejected.labels(reason=reason)
         self.remeasures = Counter(
             "voicechat_tick_budget_remeasures",
-            "Batch-size warm-ups run again while idle after the tick budget refused a caller, by outcome",
+            "Batch-size warm-ups run again while idle after the tick budget said busy, by outcome",
             ["outcome"],
             registry=self.registry,
         )
