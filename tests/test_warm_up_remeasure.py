@@ -211,7 +211,7 @@ def test_a_caller_arriving_during_the_timing_waits_at_most_a_tick_and_the_figure
         assert before > engine.budget.limit_seconds
         assert engine.slot_free
         assert engine.submit("open", "a", config=CONFIG).result(60).error is None
-        engine._reserved["a"] = time.monotonic()  # as the server holds a connection's slot
+        assert _reserve(engine, "a")  # the connection's slot, held while its session runs
         assert not engine.slot_free  # /ready's answer: refused by the budget
         engine.release("a")
         assert engine.submit("close", "a").result(60).error is None
@@ -226,7 +226,7 @@ def test_a_caller_arriving_during_the_timing_waits_at_most_a_tick_and_the_figure
         assert engine.budget.warm_median(2) == before  # only a completed run replaces the figures
         assert engine.submit("push", "b", samples=np.zeros(FRAME, np.float32)).result(60).error is None
         assert engine.submit("close", "b").result(60).error is None
-        assert engine._remeasure_schedule.wait_seconds() is not None  # still wanted: it runs again later
+        assert _wait_for(lambda: _remeasures(engine, "completed") == 1, 30)  # still wanted: it ran again, idle
     finally:
         engine.stop()
 
@@ -237,7 +237,7 @@ def test_no_timing_again_without_a_refusal_or_when_switched_off(tiny, slow_ticks
     slow_ticks["seconds"] = 0.0
     try:
         assert engine.submit("open", "a", config=CONFIG).result(60).error is None
-        engine._reserved["a"] = time.monotonic()
+        assert _reserve(engine, "a")
         assert not engine.slot_free  # refused, but re-measuring is off
         engine.release("a")
         assert engine.submit("close", "a").result(60).error is None
@@ -262,7 +262,7 @@ def test_a_failed_timing_keeps_the_figures_and_leaves_no_session_behind(tiny, sl
     try:
         before = engine.budget.warm_median(2)
         assert engine.submit("open", "a", config=CONFIG).result(60).error is None
-        engine._reserved["a"] = time.monotonic()
+        assert _reserve(engine, "a")
         assert not engine.slot_free
         engine.release("a")
         assert engine.submit("close", "a").result(60).error is None

@@ -607,7 +607,7 @@ class RealtimeEngine:
         meanwhile interrupts it before its next step and the figures in force stay.
         Reports one line when it completes."""
         budget = self.budget
-        fresh = TickBudget(budget.frame_seconds, budget.fraction, clock=budget._clock, horizon_frames=budget.horizon_frames)
+        fresh = budget.fresh()
         lines: list[str] = []
         warm_up = self._warm_up_run(fresh, lines.append, interrupt=lambda: not self._commands.empty())
         token = self._remeasure_schedule.start()

@@ -119,8 +119,9 @@ class TickBudget:
         self._earlier: collections.deque[tuple[dict, dict]] = collections.deque(maxlen=WARM_UP_RUNS - 1)
         self._warm_cache: dict[int, float | None] = {}
         self._extended: dict[int, tuple[int, list[float]]] = {}  # rows -> (frames added, ticks)
-        self._growth_cache: dict[int, float] | None = None  # measured growth per extended size
-        self._generation = 0  # counts changes of the warm-up's records (growth's cache)
+        #: (generation, growth per extended size) as last measured
+        self._growth_cache: tuple[int, dict[int, float]] | None = None
+        self._generation = 0  # counts changes of the warm-up's records (growth's cache is of one)
         self._lags: collections.deque[tuple[float, float, str | None]] = collections.deque(maxlen=1024)
         self._lock = threading.Lock()
 
@@ -133,10 +134,14 @@ class TickBudget:
             if warm_up:
                 self._warm_up.setdefault(rows, []).append(float(seconds))
                 self._warm_cache.pop(rows, None)
-                self._growth_cache = None
                 self._generation += 1
             else:
                 self._ticks.append((self._clock(), rows, float(seconds)))
+
+    def fresh(self) -> TickBudget:
+        """A budget with this one's frame, fraction, clock and horizon and no records (a
+        warm-up run again measures into it, :meth:`adopt_warm_up`)."""
+        return TickBudget(self.frame_seconds, self.fraction, clock=self._clock, horizon_frames=self.horizon_frames)
 
     def adopt_warm_up(self, other: TickBudget) -> None:
         """Add ``other``'s warm-up records (its ticks per size and its extended ticks) as the
@@ -152,8 +157,12 @@ class TickBudget:
             self._warm_up = warm
             self._extended = extended
             self._warm_cache = {}
-            self._growth_cache = None
             self._generation += 1
+
+    def _runs(self) -> list[tuple[dict, dict]]:
+        """Every warm-up run's (ticks per size, extended ticks per size), oldest first
+        (call with the lock held)."""
+        return [*self._earlier, (self._warm_up, self._extended)]
 
     @property
     def warm_up_runs(self) -> int:
@@ -171,7 +180,6 @@ class TickBudget:
             if known_frames != frames:  # a new length replaces the old measure
                 self._extended[rows] = known_frames, ticks = frames, []
             ticks.append(float(seconds))
-            self._growth_cache = None
             self._generation += 1
 
     def growth(self, rows: int) -> float | None:
@@ -181,13 +189,14 @@ class TickBudget:
         size not extended, the nearest extended size's, per row. None when nothing was
         extended."""
         with self._lock:
-            measured = self._growth_cache
+            generation = self._generation
+            cached = self._growth_cache
+            measured = cached[1] if cached is not None and cached[0] == generation else None
             if measured is None:  # the warm-up's records changed: measure again (from one copy)
-                generation = self._generation
                 runs = [
                     ({size: list(ticks) for size, ticks in warm.items()},
                      [(size, frames, list(ticks)) for size, (frames, ticks) in extended.items()])
-                    for warm, extended in (*self._earlier, (self._warm_up, self._extended))
+                    for warm, extended in self._runs()
                 ]
         if measured is None:
             per_size: dict[int, list[float]] = {}
@@ -199,8 +208,7 @@ class TickBudget:
                         per_size.setdefault(size, []).append(max(0.0, growth) / frames)
             measured = {size: lower_median(values) for size, values in per_size.items()}
             with self._lock:
-                if self._generation == generation:  # not replaced meanwhile (adopt_warm_up)
-                    self._growth_cache = measured
+                self._growth_cache = (generation, measured)  # of the records it was measured from
         if not measured:
             return None
         if rows in measured:
@@ -242,7 +250,7 @@ class TickBudget:
             if rows not in self._warm_cache:
                 medians = [
                     float(np.median(np.asarray(ticks)))
-                    for warm in (*(run for run, _ in self._earlier), self._warm_up)
+                    for warm, _ in self._runs()
                     if len(ticks := warm.get(rows, [])) >= MIN_SAMPLES
                 ]
                 self._warm_cache[rows] = lower_median(medians) if medians else None

@@ -265,7 +265,7 @@ class RemeasureSchedule:
         with self._lock:
             if self.interval is None or self._measured is None:
                 return None
-            if self._refusals == self._measured:  # nothing wanted yet: look again later
+            if not self._wanted():  # look again later
                 return self.idle_seconds
             return max(self.idle_seconds, self._started + self.interval - self._clock())
 
@@ -273,10 +273,12 @@ class RemeasureSchedule:
         """A warm-up is wanted (a refusal since the last one that completed) and the
         interval since the last one started is over."""
         with self._lock:
-            return (
-                self.interval is not None and self._measured is not None and self._refusals != self._measured
-                and self._clock() >= self._started + self.interval
-            )
+            return self._wanted() and self._clock() >= self._started + self.interval
+
+    def _wanted(self) -> bool:
+        """Re-measuring is on, the start's warm-up completed, and a caller was refused
+        since the last warm-up that completed (call with the lock held)."""
+        return self.interval is not None and self._measured is not None and self._refusals != self._measured
 
     def start(self) -> int:
         """A warm-up starts now; returns the token :meth:`completed` takes."""
