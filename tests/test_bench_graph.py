@@ -50,6 +50,17 @@ def test_counter_counts_evaluations_primitives_and_weight_bytes():
     assert second.table_bytes == 160 + 32
 
 
+def test_counter_sees_weights_of_a_model_with_more_arrays_than_one_walk_names():
+    module = nn.Module()
+    module.layers = [mx.full((2,), float(i)) for i in range(2500)]  # MLX names at most 1,024 a call
+    mx.eval(module.layers)
+    with graph.GraphCounter(module) as counter:
+        mx.eval(module.layers[7] * module.layers[2499] + module.layers[1500])
+        count = counter.frame()
+    assert count.primitives == 2  # Multiply, Add: counted once, not once per chunk of names
+    assert count.weight_bytes == 3 * 8
+
+
 def test_counter_restores_mlx_on_exit():
     saved = (mx.eval, mx.async_eval, mx.array.tolist, mx.array.item, mx.array.__int__)
     with pytest.raises(RuntimeError):

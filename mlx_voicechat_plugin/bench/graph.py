@@ -39,6 +39,8 @@ _NODE = re.compile(r'^\{ (\d+) \[label ="([^"]*)", shape=rectangle\]; \}$')
 _EDGE = re.compile(r'^"([^"]+)" -> (\d+)$')
 _READBACKS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "__array__")
 _PARTIAL_READERS = frozenset({"Gather", "GatherAxis", "Slice", "Take"})
+#: Named arrays per :func:`mlx.core.export_to_dot` call (its binding's keyword limit is 1,024).
+_NAMES_PER_WALK = 1000
 #: Primitives that make a view of their input (no kernel on a GPU, as a rule: a reshape
 #: of a non-contiguous array copies).
 VIEWS = frozenset({
@@ -94,11 +96,23 @@ def walk(*outputs: mx.array, named: dict[str, mx.array] | None = None) -> GraphW
 
     Args:
         outputs: MLX arrays (evaluated ones contribute no primitive).
-        named: arrays to recognise by name in the graph (e.g. the model's weights).
+        named: arrays to recognise by name in the graph (e.g. the model's weights); any
+            number (more than :data:`_NAMES_PER_WALK` are walked in chunks).
     """
-    buffer = io.StringIO()
-    mx.export_to_dot(buffer, *outputs, **(named or {}))
-    return parse_dot(buffer.getvalue())
+    items = list((named or {}).items())
+    result = None
+    # MLX's binding takes the names as keyword arguments, at most 1,024 per call: a model
+    # with more arrays is walked once per chunk of names (the same graph each time).
+    for start in range(0, max(len(items), 1), _NAMES_PER_WALK):
+        buffer = io.StringIO()
+        mx.export_to_dot(buffer, *outputs, **dict(items[start:start + _NAMES_PER_WALK]))
+        found = parse_dot(buffer.getvalue())
+        if result is None:
+            result = found
+            continue
+        for name, consumers in found.named_consumers.items():
+            result.named_consumers.setdefault(name, set()).update(consumers)
+    return result
 
 
 def module_arrays(module: nn.Module) -> dict[str, mx.array]:
