@@ -29,6 +29,11 @@ EXIT_STATUS_HELP = (
 )
 #: ``--help`` epilog of ``serve``, which also exits on SIGTERM.
 SERVE_EXIT_STATUS_HELP = f"{EXIT_STATUS_HELP}, {EXIT_TERMINATED} stopped by SIGTERM"
+#: ``--help`` epilog of ``loadtest``, whose callers turned away busy are a result, not a failure.
+LOAD_TEST_EXIT_STATUS_HELP = (
+    f"exit status: {EXIT_OK} every admitted caller finished without error, {EXIT_FAILURE} otherwise "
+    f"(or the --timeout was reached), {EXIT_USAGE} bad options, {EXIT_INTERRUPTED} interrupted"
+)
 #: ``--help`` epilog of the clients, which also report a busy server.
 CLIENT_EXIT_STATUS_HELP = (
     f"exit status: {EXIT_OK} done, {EXIT_FAILURE} failure, {EXIT_USAGE} usage or input error, "

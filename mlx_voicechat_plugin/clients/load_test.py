@@ -47,6 +47,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
+from ..exit_codes import LOAD_TEST_EXIT_STATUS_HELP
 from .protocol import FRAME_SAMPLES, INPUT_SAMPLE_RATE, encode_pcm16
 
 #: A frame answered later than this (s) after its append was sent is late.
@@ -500,7 +501,8 @@ def _print(report: dict) -> None:
 
 
 def build_parser(prog: str = "mlx-voicechat loadtest") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Paced callers against a running server on loopback; per-frame latency as each caller feels it.")
+    parser = argparse.ArgumentParser(prog=prog, description="Paced callers against a running server on loopback; per-frame latency as each caller feels it.",
+                                     epilog=LOAD_TEST_EXIT_STATUS_HELP)
     parser.add_argument("url", help="the server's WebSocket, e.g. ws://127.0.0.1:8080/v1/realtime")
     parser.add_argument("--callers", type=int, default=4, help="concurrent callers (default 4)")
     parser.add_argument("--seconds", type=float, default=8.0, help="audio each caller sends, paced (default 8)")
