@@ -84,7 +84,7 @@ def test_turn_state_counts_a_bounded_number_of_event_types():
 
 
 def test_an_open_ended_turn_state_keeps_no_growing_history():
-    state = TurnState(keep_audio=False)
+    state = TurnState(keep_audio=False, phase="ready")
     delta = base64.b64encode(bytes(2 * OUTPUT_FRAME_SAMPLES)).decode()
     for index in range(100):
         state.handle({"type": "response.audio.delta", "frame_index": index, "delta": delta})

@@ -15,13 +15,16 @@ from typing import TextIO
 from .protocol import OUTPUT_SAMPLE_RATE, TextDelta, TurnState
 
 LABELS = {"user": "[user]", "assistant": "[assistant]", "function": "[function]"}
-# Control characters (a random demo checkpoint decodes plenty) must not garble a terminal.
-_CONTROL = {code: None for code in range(32) if code not in (9, 10, 13)}
-_CONTROL.update({9: " ", 10: " ", 13: " ", 127: None})
+# Control characters (a random demo checkpoint decodes plenty; a hostile server may send
+# escape sequences) must not garble a terminal: C0, DEL, C1 (0x9b is a one-byte CSI) and
+# the bidirectional embeddings, overrides and isolates that reorder what is shown.
+_CONTROL = {code: None for code in (*range(32), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+_CONTROL.update({9: " ", 10: " ", 13: " "})
 
 
 def clean(text: str) -> str:
-    """``text`` without control characters; tabs and newlines become spaces."""
+    """``text`` without control characters (C0, DEL, C1, bidirectional overrides); tabs and
+    newlines become spaces."""
     return text.translate(_CONTROL)
 
 

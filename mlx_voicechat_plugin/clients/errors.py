@@ -23,6 +23,31 @@ from ..exit_codes import (
     EXIT_USAGE,
 )
 
+#: Most characters of a server's own text (an error event's message, a close reason, an
+#: HTTP answer's body) that a client's error line quotes.
+SERVER_TEXT_LIMIT = 300
+# Bidirectional embeddings, overrides and isolates: they reorder what a terminal shows.
+_BIDI = {code: f"\\u{code:04x}" for code in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: C0/C1 control characters (ESC, CSI, BEL ...)
+    and bidirectional overrides written as ``\\xNN`` / ``\\uNNNN``, whitespace folded to
+    single spaces (one line)."""
+    from ..cli.output import escape_controls
+
+    return escape_controls(" ".join(str(text).split())).translate(_BIDI)
+
+
+def server_text(text: object, limit: int = SERVER_TEXT_LIMIT) -> str:
+    """Text a server sent, for quoting in a one-line message: :func:`printable`, and cut to
+    ``limit`` characters (``... (N more characters)``) so a hostile server cannot fill the
+    user's terminal with one event."""
+    text = printable(str(text))
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text) - limit} more characters)"
+    return text
+
 
 class ClientError(Exception):
     """A failure the command line reports as ``error: <message>`` (one line)."""
@@ -34,8 +59,9 @@ class ClientError(Exception):
         self.message = message
 
     def one_line(self) -> str:
-        """The message on a single line (newlines folded), prefixed with ``error:``."""
-        return "error: " + " ".join(self.message.split())
+        """The message on a single line (newlines folded, control characters escaped:
+        :func:`printable`), prefixed with ``error:``."""
+        return "error: " + printable(self.message)
 
 
 class UsageError(ClientError):

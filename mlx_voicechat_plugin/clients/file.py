@@ -145,6 +145,7 @@ async def run_file_turn(
             if realtime:
                 due = started + (index + 1) * FRAME_SAMPLES / INPUT_SAMPLE_RATE
                 await asyncio.sleep(max(0.0, due - time.monotonic()))
+        state.commit_sent = True  # set first: the answer may arrive before send() returns
         await socket.send(commit(pad_partial=True))
 
     sender = asyncio.create_task(send_all())

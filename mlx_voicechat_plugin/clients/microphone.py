@@ -176,6 +176,7 @@ async def run_live(
                     say(f"[mic] warning: {mic.name!r} delivers pure silence; is it muted? {permission_hint('input')}")
             if ending:
                 stop.set()
+                state.commit_sent = True  # set first: the answer may arrive before send() returns
                 await socket.send(commit(pad_partial=True))
                 say("[mic] committed; waiting for the rest of the answer")
                 return

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..seed import is_seed
 from ..unicode_text import lone_surrogate
-from .errors import ConnectionLost, ServerBusy, ServerErrorEvent, UsageError
+from .errors import ConnectionLost, ServerBusy, ServerErrorEvent, UsageError, server_text
 
 #: Input rate (Hz) and samples per 80 ms append.
 INPUT_SAMPLE_RATE = 16_000
@@ -154,6 +154,42 @@ class AudioDelta:
 #: Distinct event types :attr:`TurnState.counts` tracks by name (a hostile server could
 #: send endless invented types).
 MAX_COUNTED_TYPES = 64
+#: Most samples one ``response.audio.delta`` may carry: the server sends one 80 ms frame
+#: (1764 samples at 22 050 Hz) per delta; four frames' worth is the margin.
+MAX_DELTA_SAMPLES = 4 * 1764
+#: Most characters a channel's cumulative text may reach: a 600 s session's answer is of
+#: the order of 10^5 characters; more is a misbehaving server.
+MAX_TEXT_CHARS = 1_000_000
+#: Text deltas and audio deltas belong to a configured session.
+_LIVE_PHASES = ("ready", "committed")
+
+
+def _integer(event: dict, key: str, default: int) -> int:
+    """``event[key]`` as an int (``default`` when absent).
+
+    Raises:
+        ConnectionLost: present but not an integer (a string, a float, NaN, a list...).
+    """
+    value = event.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConnectionLost(f"the server sent a malformed {event['type']} event: {key} is not an integer")
+    return value
+
+
+def _text(event: dict, key: str, default: str) -> str:
+    """``event[key]`` as a string (``default`` when absent), at most :data:`MAX_TEXT_CHARS`.
+
+    Raises:
+        ConnectionLost: present but not a string, or too long.
+    """
+    value = event.get(key, default)
+    if not isinstance(value, str):
+        raise ConnectionLost(f"the server sent a malformed {event['type']} event: {key} is not a string")
+    if len(value) > MAX_TEXT_CHARS:
+        raise ConnectionLost(
+            f"the server sent more than {MAX_TEXT_CHARS:,} characters of text in one channel; giving up"
+        )
+    return value
 
 
 @dataclass
@@ -170,7 +206,9 @@ class TurnState:
     length: the file client bounds it); an open-ended session (the microphone client) sets
     it False and keeps only the counters ``audio_frames`` / ``audio_samples`` (and no
     ``spoken_text``), so a server that sends audio or text deltas for hours (or floods them)
-    cannot grow the client's memory. ``counts``
+    cannot grow the client's memory. A client sets ``commit_sent`` when it sends
+    ``input_audio_buffer.commit``: ``response.done`` is accepted from then on (or after
+    ``input_audio_buffer.committed``), not before. ``counts``
     tracks at most :data:`MAX_COUNTED_TYPES` event types (the rest under ``"other"``).
     """
 
@@ -186,6 +224,7 @@ class TurnState:
     counts: dict[str, int] = field(default_factory=dict)
     done_frame_index: int | None = None
     keep_audio: bool = True
+    commit_sent: bool = False
     audio_frames: int = 0
     audio_samples: int = 0
 
@@ -211,7 +250,11 @@ class TurnState:
         Raises:
             ServerBusy: ``server_busy``.
             ServerErrorEvent: any other ``error`` event.
-            ConnectionLost: a malformed event (not an object, no type, bad audio).
+            ConnectionLost: a malformed event (not an object, no type, a field of the wrong
+                type, bad audio, an audio delta over :data:`MAX_DELTA_SAMPLES`, a channel's
+                text over :data:`MAX_TEXT_CHARS`), or one out of order: text or audio before
+                ``session.updated``, ``response.done`` before ``input_audio_buffer.committed``
+                unless the client has sent its commit (:attr:`commit_sent`).
         """
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise ConnectionLost("the server sent a malformed event (not a JSON object with a type)")
@@ -219,12 +262,16 @@ class TurnState:
         counted = kind if kind in self.counts or len(self.counts) < MAX_COUNTED_TYPES else "other"
         self.counts[counted] = self.counts.get(counted, 0) + 1
         if kind == "error":
-            error = event.get("error") or {}
-            code = str(error.get("code", "unknown"))
-            message = str(error.get("message", ""))
+            error = event.get("error")
+            if not isinstance(error, dict):
+                raise ConnectionLost("the server sent a malformed error event: error is not an object")
+            code = server_text(error.get("code", "unknown"), 64)
+            message = server_text(error.get("message", ""))
             if code == "server_busy":
                 raise ServerBusy(f"the server is busy with another session (server_busy): {message}")
             raise ServerErrorEvent(code, message)
+        if kind in _ORDERED and self.phase not in _ORDERED[kind] and not (kind == "response.done" and self.commit_sent):
+            raise ConnectionLost(f"the server sent {kind} out of order (before {_EXPECTED_BEFORE[kind]})")
         session = event.get("session") if isinstance(event.get("session"), dict) else {}
         if kind == "session.created":
             self.phase = "configuring"
@@ -234,38 +281,58 @@ class TurnState:
             self.model = session.get("model")
         elif kind == "input_audio_buffer.committed":
             self.phase = "committed"
-        elif kind == "response.done":
-            self.phase = "done"
-            self.done_frame_index = event.get("frame_index")
-        elif kind == "response.cancelled":
-            self.phase = "cancelled"
+        elif kind in ("response.done", "response.cancelled"):
+            self.phase = "done" if kind == "response.done" else "cancelled"
             self.done_frame_index = event.get("frame_index")
         elif kind == "conversation.item.input_audio_transcription.delta":
-            self.transcript = str(event.get("transcript", self.transcript + str(event.get("delta", ""))))
-            return TextDelta("user", int(event.get("frame_index", -1)), str(event.get("delta", "")), self.transcript)
+            delta = _text(event, "delta", "")
+            self.transcript = _text(event, "transcript", self.transcript + delta)
+            return TextDelta("user", _integer(event, "frame_index", -1), delta, self.transcript)
         elif kind == "response.text.delta":
-            delta = str(event.get("delta", ""))
-            self.text = str(event.get("text", self.text + delta))
+            delta = _text(event, "delta", "")
+            self.text = _text(event, "text", self.text + delta)
             if self.keep_audio:  # an open-ended session keeps no growing history
-                self.spoken_text += delta
-            return TextDelta("assistant", int(event.get("frame_index", -1)), delta, self.text)
+                self.spoken_text = (self.spoken_text + delta)[-MAX_TEXT_CHARS:]
+            return TextDelta("assistant", _integer(event, "frame_index", -1), delta, self.text)
         elif kind == "response.function.delta":
-            delta = str(event.get("delta", ""))
-            self.function_text = str(event.get("text", self.function_text + delta))
-            return TextDelta("function", int(event.get("frame_index", -1)), delta, self.function_text)
+            delta = _text(event, "delta", "")
+            self.function_text = _text(event, "text", self.function_text + delta)
+            return TextDelta("function", _integer(event, "frame_index", -1), delta, self.function_text)
         elif kind == "response.audio.delta":
+            payload = event.get("delta", "")
+            if not isinstance(payload, str):
+                raise ConnectionLost("the server sent a malformed response.audio.delta event: delta is not a string")
+            if len(payload) > (MAX_DELTA_SAMPLES * 2 + 2) // 3 * 4:  # base64 of that many PCM16 samples
+                raise ConnectionLost(
+                    f"the server sent an audio delta of more than {MAX_DELTA_SAMPLES} samples "
+                    "(1764 expected, one 80 ms frame); giving up"
+                )
             try:
-                pcm = decode_pcm16(event.get("delta", ""))
+                pcm = decode_pcm16(payload)
             except ValueError as error:
                 raise ConnectionLost(str(error)) from None
-            frame_index = int(event.get("frame_index", self.audio_frames))
+            frame_index = _integer(event, "frame_index", self.audio_frames)
+            sample_rate = _integer(event, "sample_rate", OUTPUT_SAMPLE_RATE)
             self.audio_frames += 1
             self.audio_samples += pcm.shape[0]
             if self.keep_audio:
                 self.audio.append(pcm)
                 self.audio_frame_indices.append(frame_index)
-            return AudioDelta(frame_index, pcm, int(event.get("sample_rate", OUTPUT_SAMPLE_RATE)))
+            return AudioDelta(frame_index, pcm, sample_rate)
         return None
+
+
+#: Event types valid only in some phases (a server that sends them earlier misbehaves).
+_ORDERED = {
+    "conversation.item.input_audio_transcription.delta": _LIVE_PHASES,
+    "response.text.delta": _LIVE_PHASES,
+    "response.function.delta": _LIVE_PHASES,
+    "response.audio.delta": _LIVE_PHASES,
+    "input_audio_buffer.committed": ("ready",),
+    "response.done": ("committed",),
+}
+_EXPECTED_BEFORE = {kind: "session.updated" for kind in _ORDERED}
+_EXPECTED_BEFORE["response.done"] = "input_audio_buffer.committed or the client's commit"
 
 
 def parse_event(text: str | bytes) -> dict:

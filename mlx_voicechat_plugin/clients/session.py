@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 
 from .errors import ConnectionLost
-from .protocol import AudioDelta, TextDelta, TurnState, session_update
+from .protocol import OUTPUT_FRAME_SAMPLES, AudioDelta, TextDelta, TurnState, session_update
 from .transport import RealtimeSocket
 
 Update = TextDelta | AudioDelta | None
@@ -28,13 +28,24 @@ EVENTS_PER_FRAME = 8
 #: Audio frames a server may send beyond one per input frame (2 s) before a client that
 #: knows its input length gives up (:func:`receive_until_closed`'s ``max_audio_frames``).
 EXTRA_AUDIO_FRAMES = 25
+#: Most events a server may send while a session is being opened (``session.created``,
+#: ``session.updated`` and a few others); more is a misbehaving server.
+MAX_SETUP_EVENTS = 64
 
 
-async def _next(socket: RealtimeSocket, timeout: float, waiting_for: str) -> dict | None:
+async def _next(socket: RealtimeSocket, timeout: float, waiting_for: str, limit: float | None = None) -> dict | None:
+    """The next event within ``timeout`` seconds (``limit``: the whole wait's timeout, for
+    the message; default ``timeout``)."""
     try:
-        return await asyncio.wait_for(socket.receive(), timeout)
+        event = await asyncio.wait_for(socket.receive(), timeout)
     except asyncio.TimeoutError:
-        raise ConnectionLost(f"no {waiting_for} from the server within {timeout:g} s") from None
+        raise ConnectionLost(f"no {waiting_for} from the server within {limit or timeout:g} s") from None
+    task = asyncio.current_task()
+    if task is not None and getattr(task, "cancelling", lambda: 0)():
+        # Python 3.11's wait_for drops a cancellation (Ctrl-C, an outer timeout) that
+        # arrives as the receive completes (CPython gh-86296): honour it here.
+        raise asyncio.CancelledError
+    return event
 
 
 async def open_session(
@@ -50,24 +61,44 @@ async def open_session(
 ) -> tuple[RealtimeSocket, TurnState]:
     """Connect and configure; returns the socket and a state in phase ``ready``.
 
+    Args:
+        configure_timeout: seconds for ``session.created`` and again for
+            ``session.updated``, however many other events arrive meanwhile (at most
+            :data:`MAX_SETUP_EVENTS` in all).
+
     Raises:
         ClientError subclasses: refused connection, 401/403, ``server_busy``, an ``error``
-            event for ``session.update`` (e.g. ``session_initialization_failed``), a drop.
+            event for ``session.update`` (e.g. ``session_initialization_failed``), a drop,
+            a timeout, too many events.
     """
     socket = await RealtimeSocket.connect(url, api_key=api_key, origin=origin, open_timeout=open_timeout)
     state = TurnState()
+    loop = asyncio.get_running_loop()
+    received = 0
+
+    async def until(done: Callable[[], bool], waiting_for: str) -> None:
+        # One deadline for the whole wait (events that are not the awaited one do not
+        # extend it) and at most MAX_SETUP_EVENTS events in all.
+        nonlocal received
+        deadline = loop.time() + configure_timeout
+        while not done():
+            left = deadline - loop.time()
+            if left <= 0:
+                raise ConnectionLost(f"no {waiting_for} from the server within {configure_timeout:g} s")
+            event = await _next(socket, left, waiting_for, configure_timeout)
+            if event is None:
+                raise ConnectionLost(f"the server closed the connection before {waiting_for}")
+            received += 1
+            if received > MAX_SETUP_EVENTS:
+                raise ConnectionLost(
+                    f"the server sent more than {MAX_SETUP_EVENTS} events without {waiting_for}; giving up"
+                )
+            state.handle(event)
+
     try:
-        while state.phase == "connecting":
-            event = await _next(socket, configure_timeout, "session.created")
-            if event is None:
-                raise ConnectionLost("the server closed the connection before session.created")
-            state.handle(event)
+        await until(lambda: state.phase != "connecting", "session.created")
         await socket.send(session_update(system_prompt, seed, max_streaming_seconds))
-        while state.phase != "ready":
-            event = await _next(socket, configure_timeout, "session.updated")
-            if event is None:
-                raise ConnectionLost("the server closed the connection before session.updated")
-            state.handle(event)
+        await until(lambda: state.phase == "ready", "session.updated")
     except BaseException:
         await socket.close()
         raise
@@ -87,8 +118,9 @@ async def receive_until_closed(
     Args:
         max_audio_frames: the most ``response.audio.delta`` events the input can produce
             (one per 80 ms input frame, plus a margin); a server that sends more -- or more
-            than :data:`EVENTS_PER_FRAME` events per such frame -- is misbehaving, and the
-            turn fails instead of storing everything it sends. None: no bound.
+            than :data:`EVENTS_PER_FRAME` events per such frame, or more than 1764 samples
+            per such frame in all -- is misbehaving, and the turn fails instead of storing
+            everything it sends. None: no bound.
 
     Raises:
         ServerBusy / ServerErrorEvent: an ``error`` event (the caller closes the socket).
@@ -112,6 +144,11 @@ async def receive_until_closed(
             raise ConnectionLost(
                 f"the server sent more than {max_audio_frames} audio frames for this input "
                 "(one per 80 ms input frame expected); giving up"
+            )
+        if max_audio_frames is not None and state.audio_samples > max_audio_frames * OUTPUT_FRAME_SAMPLES:
+            raise ConnectionLost(
+                f"the server sent more than {max_audio_frames * OUTPUT_FRAME_SAMPLES} audio samples for this "
+                f"input ({OUTPUT_FRAME_SAMPLES} per 80 ms input frame expected); giving up"
             )
         if on_update is not None and update is not None:
             on_update(update)

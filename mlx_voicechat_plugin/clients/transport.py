@@ -12,9 +12,30 @@ import asyncio
 from urllib.parse import urlsplit, urlunsplit
 
 from ..api_key import header_safe
-from .errors import AuthError, ConnectError, ConnectionLost, OriginRefused, ServerBusy, UsageError
+from .errors import (
+    AuthError,
+    ConnectError,
+    ConnectionLost,
+    OriginRefused,
+    ServerBusy,
+    UsageError,
+    server_text,
+)
 from .protocol import SUBPROTOCOL, dumps, parse_event
 
+#: Largest message a client accepts (bytes): an event is a few kB; a server sending more is
+#: refused (close 1009) instead of growing the client's memory.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Seconds the client waits for the closing handshake to finish.
+CLOSE_HANDSHAKE_TIMEOUT = 2.0
+#: What this client's own close code says the server did (the connection ended by the
+#: client because of what it received).
+_CLIENT_CLOSES = {
+    1002: "a frame that breaks the WebSocket protocol",
+    1007: "text that is not valid UTF-8",
+    1009: f"a message over {MAX_MESSAGE_BYTES // (1024 * 1024)} MiB",
+    1011: "no answer to the client's keepalive pings",
+}
 #: Close codes of the spec: normal, policy (idle timeout), too big, try again later (busy).
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_TRY_AGAIN = 1000, 1008, 1009, 1013
 _CLOSE_MEANINGS = {
@@ -96,7 +117,7 @@ def describe_close(code: int | None, reason: str = "") -> str:
         return "the connection dropped without a close frame (code 1006)"
     meaning = _CLOSE_MEANINGS.get(code)
     text = f"code {code}" + (f" ({meaning})" if meaning else "")
-    return text + (f": {reason}" if reason else "")
+    return text + (f": {server_text(reason, 200)}" if reason else "")
 
 
 def _denial_message(body: bytes | bytearray | None) -> str:
@@ -109,7 +130,8 @@ def _denial_message(body: bytes | bytearray | None) -> str:
         message = payload.get("error", {}).get("message") if isinstance(payload, dict) else None
     except (ValueError, AttributeError):
         message = None
-    return str(message) if message else bytes(body[:200]).decode("utf-8", "replace").strip()
+    text = str(message) if message else bytes(body[:400]).decode("utf-8", "replace").strip()
+    return server_text(text, 200)
 
 
 class RealtimeSocket:
@@ -124,6 +146,7 @@ class RealtimeSocket:
         self.url = url
         self.close_code: int | None = None
         self.close_reason: str = ""
+        self.client_close: str | None = None
 
     @classmethod
     async def connect(
@@ -157,8 +180,8 @@ class RealtimeSocket:
                 origin=origin,
                 subprotocols=[SUBPROTOCOL],
                 open_timeout=open_timeout,
-                max_size=4 * 1024 * 1024,
-                close_timeout=5,
+                max_size=MAX_MESSAGE_BYTES,
+                close_timeout=CLOSE_HANDSHAKE_TIMEOUT,
             )
         except websockets.exceptions.InvalidStatus as error:
             status = error.response.status_code
@@ -191,6 +214,9 @@ class RealtimeSocket:
         received = getattr(error, "rcvd", None)
         self.close_code = received.code if received is not None else 1006
         self.close_reason = received.reason if received is not None else ""
+        sent = getattr(error, "sent", None)
+        # The client closed first because of what the server sent: say what that was.
+        self.client_close = _CLIENT_CLOSES.get(sent.code) if received is None and sent is not None else None
 
     async def send(self, message: dict) -> bool:
         """Send one message; False when the connection is already closed (the receiver
@@ -219,6 +245,8 @@ class RealtimeSocket:
                 return None
             if self.close_code == CLOSE_TRY_AGAIN:
                 raise ServerBusy("the server is busy with another session (close 1013); try again later") from None
+            if self.client_close:
+                raise ConnectionLost(f"the server sent {self.client_close}; the client closed the connection") from None
             raise ConnectionLost(f"the server connection ended: {describe_close(self.close_code, self.close_reason)}") from None
         return parse_event(frame)
 
