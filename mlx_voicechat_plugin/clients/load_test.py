@@ -25,7 +25,11 @@ their answers are segmented into responses, so per-frame latency is taken from t
 server), and no equality check is made.
 
 Bounded in time (``--timeout``) and loopback only: the URL's host must be ``127.0.0.1``,
-``::1`` or ``localhost`` (a load test is not a tool for someone else's server).
+``::1`` or ``localhost`` (a load test is not a tool for someone else's server), and an HTTP
+redirect is an error, never followed. Bounded in memory against a misbehaving server: a
+message over 4 MiB, more events than a caller's input warrants, or an answer to a frame the
+caller has not sent fails that caller; text the server sent is printed escaped and cut short
+(:func:`~.errors.server_text`).
 """
 
 from __future__ import annotations
@@ -48,12 +52,29 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from ..exit_codes import LOAD_TEST_EXIT_STATUS_HELP
+from .errors import printable, server_text
 from .protocol import FRAME_SAMPLES, INPUT_SAMPLE_RATE, encode_pcm16
 
 #: A frame answered later than this (s) after its append was sent is late.
 LATE_SECONDS = 0.16
 FRAME_SECONDS = FRAME_SAMPLES / INPUT_SAMPLE_RATE
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+#: Largest message a caller accepts (as the file client's transport): a bigger one fails the
+#: caller ("the server sent a message over 4 MiB") instead of being buffered.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Seconds a closing handshake may take, so that a server that never closes its side of the
+#: TCP connection cannot hold the run much past ``--timeout``.
+CLOSE_TIMEOUT = 1.0
+#: Events a caller accepts once configured: ``EVENTS_PER_FRAME`` per input frame (a
+#: well-behaved server sends about 8 at most) plus ``EVENTS_ALLOWANCE``; one more fails the
+#: caller, so a flooding server cannot grow the load test's memory without bound.
+EVENTS_PER_FRAME = 32
+EVENTS_ALLOWANCE = 256
+#: Events a caller reads while waiting for its session to be configured (a well-behaved
+#: server sends two: ``session.created``, ``session.updated``).
+SETUP_EVENTS = 64
+#: Codes of one answered frame kept for the comparison with the solo run (a frame has 31).
+MAX_AUDIO_CODES = 64
 
 
 @dataclass
@@ -81,25 +102,127 @@ class Refused(Exception):
     """The server turned the caller away before configuring its session (``server_busy``)."""
 
 
+class CallerFailed(Exception):
+    """A caller's failure, its message one line fit to print (server text already escaped)."""
+
+
 async def _until(moment: float | None) -> None:
     if moment is not None:
         await asyncio.sleep(max(0.0, moment - time.monotonic()))
 
 
-async def _receive(ws, timeout: float) -> dict:
-    """The next event before the caller's session is configured; raises :class:`Refused`
+async def _recv(ws, seconds: float):
+    """``ws.recv()`` within ``seconds`` (``asyncio.TimeoutError`` past them). A cancellation
+    always ends it: ``asyncio.timeout`` where there is one, because Python 3.11's
+    ``asyncio.wait_for`` swallows a cancellation that arrives when the receive is already
+    done (CPython gh-86296), which kept a caller reading a flooding server for ever."""
+    if seconds <= 0:
+        raise asyncio.TimeoutError()
+    timeout = getattr(asyncio, "timeout", None)
+    if timeout is None:  # Python 3.10
+        return await asyncio.wait_for(ws.recv(), seconds)
+    async with timeout(seconds):
+        return await ws.recv()
+
+
+def _event(raw) -> dict:
+    """One server message as an event: a JSON object with a string ``type``.
+
+    Raises:
+        CallerFailed: anything else.
+    """
+    try:
+        event = json.loads(raw)
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        raise CallerFailed(f"the server sent a message that is not JSON ({server_text(error)})") from None
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+        raise CallerFailed('the server sent a message that is not a JSON object with a string "type"')
+    return event
+
+
+def _error_event(event: dict) -> str:
+    """An ``error`` event as ``code: message`` (server text, escaped and cut short)."""
+    error = event.get("error")
+    if isinstance(error, dict):
+        return f"{server_text(error.get('code'))}: {server_text(error.get('message'))}"
+    return f"error: {server_text(error)}"
+
+
+def _raise_refused(closed) -> None:
+    """Raise :class:`Refused` when ``closed`` (a ``ConnectionClosed``) was the server's 1013."""
+    if closed.rcvd is not None and closed.rcvd.code == 1013:
+        raise Refused(server_text(closed.rcvd.reason or "server_busy")) from None
+
+
+async def _receive(ws, deadline: float) -> dict:
+    """The next event before the caller's session is configured, by ``deadline`` (a
+    ``time.monotonic`` reading; past it ``asyncio.TimeoutError``); raises :class:`Refused`
     when it is the server's ``server_busy`` error or the socket closed with 1013."""
     import websockets
 
     try:
-        event = json.loads(await asyncio.wait_for(ws.recv(), timeout))
+        raw = await _recv(ws, deadline - time.monotonic())
     except websockets.ConnectionClosed as closed:
-        if closed.rcvd is not None and closed.rcvd.code == 1013:
-            raise Refused(closed.rcvd.reason or "server_busy") from None
+        _raise_refused(closed)
         raise
-    if event.get("type") == "error" and (event.get("error") or {}).get("code") == "server_busy":
-        raise Refused(event["error"].get("message", "server_busy"))
+    event = _event(raw)
+    error = event.get("error") if event["type"] == "error" else None
+    if isinstance(error, dict) and error.get("code") == "server_busy":
+        raise Refused(server_text(error.get("message", "server_busy")))
     return event
+
+
+async def _configure(ws, wanted: str, timeout: float) -> dict:
+    """Events until one of type ``wanted``: at most :data:`SETUP_EVENTS` of them, within
+    ``timeout`` seconds in all (a server that keeps sending other events cannot hold the
+    caller).
+
+    Raises:
+        CallerFailed: too many events, or none of type ``wanted`` in time.
+        Refused: ``server_busy`` (:func:`_receive`).
+    """
+    deadline = time.monotonic() + timeout
+    for _ in range(SETUP_EVENTS):
+        try:
+            event = await _receive(ws, deadline)
+        except asyncio.TimeoutError:
+            raise CallerFailed(f"no {wanted} from the server within {timeout:.3g} s") from None
+        if event["type"] == wanted:
+            return event
+    raise CallerFailed(f"the server sent {SETUP_EVENTS} events without {wanted}")
+
+
+def _failure(error: BaseException) -> str:
+    """A caller's failure as one line (what the server sent escaped and cut short)."""
+    import websockets
+
+    if isinstance(error, CallerFailed):
+        return str(error)
+    if isinstance(error, websockets.ConnectionClosed) and error.sent is not None and error.sent.code == 1009:
+        return f"the server sent a message over {MAX_MESSAGE_BYTES >> 20} MiB (connection closed with 1009)"
+    if isinstance(error, websockets.InvalidStatus) and 300 <= error.response.status_code < 400:
+        location = error.response.headers.get("Location")
+        where = f" to {server_text(location)}" if location else ""
+        return (f"the server answered HTTP {error.response.status_code}, a redirect{where}; "
+                "the load test does not follow redirects")
+    return server_text(f"{type(error).__name__}: {error}")
+
+
+def _answered_frame(event: dict, sent: int) -> int:
+    """The ``frame_index`` of an answer, checked: an integer in ``[0, sent)``.
+
+    Raises:
+        CallerFailed: anything else (a frame this caller has not sent).
+    """
+    frame = event.get("frame_index")
+    if type(frame) is not int or not 0 <= frame < sent:
+        try:
+            shown = json.dumps(frame)
+        except ValueError:
+            shown = repr(frame)
+        raise CallerFailed(f"the server answered frame {server_text(shown, 40)}, which this caller has not sent "
+                           f"({sent} sent so far)")
+    return frame
 
 
 async def with_retries(attempt, result: CallerResult, join_at: float | None, retry: float, patience: float):
@@ -147,15 +270,46 @@ def caller_input(base: np.ndarray, index: int, seconds: float) -> np.ndarray:
 
 
 def _audio_frame(event: dict) -> tuple:
-    return tuple(event.get("audio_codes") or ())
+    codes = event.get("audio_codes")
+    return tuple(codes[:MAX_AUDIO_CODES]) if isinstance(codes, list) else ()
+
+
+_connect_class = None
+
+
+def _check_loopback(ws) -> None:
+    """Refuse a connection whose peer is not this machine (whatever a redirect did).
+
+    Raises:
+        CallerFailed: the peer address is not a loopback address.
+    """
+    import ipaddress
+
+    peer = ws.remote_address[0] if ws.remote_address else ""
+    try:
+        loopback = ipaddress.ip_address(peer.split("%")[0]).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise CallerFailed(f"connected to {server_text(peer, 60)}, not this machine; the load test runs on loopback only")
 
 
 def _connect(url: str, api_key: str | None):
-    """``websockets.connect`` of one caller (``Authorization: Bearer`` with ``api_key``)."""
-    import websockets
+    """``websockets.connect`` of one caller (``Authorization: Bearer`` with ``api_key``):
+    messages up to :data:`MAX_MESSAGE_BYTES`, a closing handshake of :data:`CLOSE_TIMEOUT`
+    at most, and no redirect followed (a redirect could lead off loopback)."""
+    global _connect_class
+    if _connect_class is None:
+        from websockets.asyncio.client import connect
 
+        class _NoRedirects(connect):
+            def process_redirect(self, exc: Exception) -> Exception:
+                return exc  # raised as it is: InvalidStatus, reported with its Location
+
+        _connect_class = _NoRedirects
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    return websockets.connect(url, max_size=None, ping_interval=None, proxy=None, additional_headers=headers)
+    return _connect_class(url, max_size=MAX_MESSAGE_BYTES, close_timeout=CLOSE_TIMEOUT, ping_interval=None,
+                          proxy=None, additional_headers=headers)
 
 
 async def run_caller(url: str, index: int, samples: np.ndarray, join_at: float | None, timeout: float,
@@ -167,21 +321,30 @@ async def run_caller(url: str, index: int, samples: np.ndarray, join_at: float |
     into ``result`` when given (what it measured survives a cancellation)."""
     result = CallerResult(index) if result is None else result
 
+    frames = samples.size // FRAME_SAMPLES
+    most_events = EVENTS_ALLOWANCE + EVENTS_PER_FRAME * frames
+
     async def attempt():
         sent: list[float] = []
-        text_ids: dict[int, int] = {}
+        text_ids: dict[int, int | None] = {}
         result.latencies.clear()
         result.frame_indices.clear()
         result.answer.clear()
+        import websockets
+
         async with _connect(url, api_key) as ws:
-            await ws.send(json.dumps({"type": "session.update", "session": {"seed": index}}))
-            while (await _receive(ws, timeout))["type"] != "session.updated":
-                pass
+            _check_loopback(ws)
+            try:
+                await ws.send(json.dumps({"type": "session.update", "session": {"seed": index}}))
+            except websockets.ConnectionClosed as closed:  # turned away before this was sent
+                _raise_refused(closed)
+                raise
+            await _configure(ws, "session.updated", timeout)
             result.admitted = True
             paced_from = None if join_at is None else time.monotonic()
 
             async def send():
-                for k in range(samples.size // FRAME_SAMPLES):
+                for k in range(frames):
                     if paced_from is not None:
                         await _until(paced_from + k * FRAME_SECONDS)
                     sent.append(time.monotonic())
@@ -191,28 +354,35 @@ async def run_caller(url: str, index: int, samples: np.ndarray, join_at: float |
 
             sender = asyncio.ensure_future(send())
             try:
+                events = 0
                 async for raw in ws:
-                    event = json.loads(raw)
+                    events += 1
+                    if events > most_events:
+                        raise CallerFailed(f"the server sent more than {most_events} events for this caller's "
+                                           f"{frames} input frames (a flood?)")
+                    event = _event(raw)
                     kind = event["type"]
                     if kind == "response.text.delta":
-                        text_ids[event["frame_index"]] = event["token_id"]
+                        token = event.get("token_id")
+                        text_ids[_answered_frame(event, len(sent))] = token if type(token) is int else None
                     elif kind == "response.audio.delta":
-                        frame = event["frame_index"]
-                        if frame < len(sent):
-                            result.latencies.append(time.monotonic() - sent[frame])
-                            result.frame_indices.append(frame)
+                        frame = _answered_frame(event, len(sent))
+                        result.latencies.append(time.monotonic() - sent[frame])
+                        result.frame_indices.append(frame)
                         result.answer.append((text_ids.get(frame), _audio_frame(event)))
                     elif kind == "error":
-                        result.error = f"{event['error']['code']}: {event['error']['message']}"
+                        result.error = _error_event(event)
             finally:
                 sender.cancel()
             result.close_code = ws.close_code
+            if result.error is None and not result.latencies:
+                result.error = f"the server answered none of the {len(sent)} frames this caller sent"
         return result
 
     try:
         await with_retries(attempt, result, join_at, retry, patience)
     except Exception as error:  # noqa: BLE001 - reported per caller
-        result.error = result.error or f"{type(error).__name__}: {error}"
+        result.error = result.error or _failure(error)
     return result
 
 
@@ -227,37 +397,52 @@ async def run_openai_caller(url: str, index: int, samples: np.ndarray, join_at: 
     result = CallerResult(index) if result is None else result
     pcm24 = soxr.resample(samples, INPUT_SAMPLE_RATE, 24_000).astype(np.float32)
     step = round(FRAME_SECONDS * 24_000)
+    frames = pcm24.size // step
+    most_events = EVENTS_ALLOWANCE + EVENTS_PER_FRAME * frames
 
     async def attempt():
+        events = 0
+
+        def count() -> None:
+            nonlocal events
+            events += 1
+            if events > most_events:
+                raise CallerFailed(f"the server sent more than {most_events} events for this caller's "
+                                   f"{frames} input frames (a flood?)")
+
         async with _connect(url, api_key) as ws:
-            await _receive(ws, timeout)  # session.created
+            _check_loopback(ws)
+            await _configure(ws, "session.created", timeout)
             result.admitted = True
             paced_from = time.monotonic()
-            for k in range(pcm24.size // step):
+            for k in range(frames):
                 await _until(paced_from + k * FRAME_SECONDS)
                 chunk = np.clip(pcm24[k * step : (k + 1) * step], -1, 1)
                 audio = base64.b64encode((chunk * 32767).astype("<i2").tobytes()).decode()
                 await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": audio}))
                 while True:  # keep reading so the server never waits on this client
                     try:
-                        event = json.loads(await asyncio.wait_for(ws.recv(), 0.001))
+                        raw = await _recv(ws, 0.001)
                     except asyncio.TimeoutError:
                         break
+                    count()
+                    event = _event(raw)
                     if event["type"] == "error":
-                        result.error = f"{event['error'].get('code')}: {event['error'].get('message')}"
+                        result.error = _error_event(event)
             deadline = time.monotonic() + 1.0
             while time.monotonic() < deadline:
                 try:
-                    await asyncio.wait_for(ws.recv(), max(0.001, deadline - time.monotonic()))
+                    await _recv(ws, max(0.001, deadline - time.monotonic()))
                 except asyncio.TimeoutError:
                     break
+                count()
             result.close_code = 1000
         return result
 
     try:
         await with_retries(attempt, result, join_at, retry, patience)
     except Exception as error:  # noqa: BLE001 - reported per caller
-        result.error = result.error or f"{type(error).__name__}: {error}"
+        result.error = result.error or _failure(error)
     return result
 
 
@@ -356,6 +541,10 @@ def _lag_quantiles(before: dict, after: dict) -> dict:
     return out
 
 
+#: The report's error when admitted callers measured no frame at all.
+NO_FRAMES = "the admitted callers measured no frame at all (the server answered none of their appends)"
+
+
 class SoloRunsTimeout(asyncio.TimeoutError):
     """``--timeout`` passed during the solo runs, before the paced run measured anything.
 
@@ -439,6 +628,11 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
             result.error = result.error or "unfinished at --timeout"
         if result.error and not result.refused:
             errors.append(f"caller #{result.index}: {result.error}")
+    # callers admitted, not one frame measured: nothing was load-tested (a run that says so fails)
+    no_frames = (dialect != "openai" and any(result.admitted for result in results)
+                 and not any(result.latencies for result in results))
+    if no_frames:
+        errors.append(NO_FRAMES)
     compared = [result.equal_to_solo for result in results if result.equal_to_solo is not None]
     ticks = after.get("voicechat_tick_seconds_count", 0) - before.get("voicechat_tick_seconds_count", 0)
     tick_sum = after.get("voicechat_tick_seconds_sum", 0) - before.get("voicechat_tick_seconds_sum", 0)
@@ -464,6 +658,7 @@ async def run_load(url: str, callers: int, seconds: float, stagger: float, base:
         "errors": errors,  # the solo runs' first, then the callers'
         "solo_errors": solo_errors,
         "timed_out": bool(unfinished),
+        "no_frames_measured": no_frames,
     }
 
 
@@ -494,6 +689,8 @@ def _print(report: dict) -> None:
         print(f"error: {error}")
     if report["timed_out"]:
         print("error: the run reached --timeout; the unfinished callers were stopped and the figures are partial")
+    if report.get("no_frames_measured"):
+        print(f"error: {NO_FRAMES}")
     if report["all_equal_to_solo"] is not None:
         print("every answer equals its solo run: " + ("yes" if report["all_equal_to_solo"] else "NO"))
     elif report["compared"] is False:
@@ -601,7 +798,7 @@ def main(argv: list[str] | None = None, *, prog: str = "mlx-voicechat loadtest")
         print(f"error: the load test did not finish within --timeout {args.timeout:g} s; no report", file=sys.stderr)
         return 1
     except OSError as error:
-        print(f"error: the load test failed: {' '.join(str(error).split())} (is the server running at {args.url}?)",
+        print(f"error: the load test failed: {printable(error)} (is the server running at {args.url}?)",
               file=sys.stderr)
         return 1
     _print(report)
