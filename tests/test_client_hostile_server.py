@@ -130,7 +130,7 @@ def test_a_flood_before_session_created_ends_the_setup_at_once():
     async def flood(ws):
         for index in range(100_000):
             await ws.send(json.dumps({"type": "invented", "n": index}))
-        await asyncio.sleep(3600)
+        await ws.wait_closed()
 
     async def attempt(port):
         await open_session(f"ws://127.0.0.1:{port}/v1/realtime", configure_timeout=60)
@@ -162,7 +162,7 @@ def test_a_message_over_the_size_limit_is_named(tmp_path, question_16k_wav, caps
         await ws.send(UPDATED)
         await ws.recv()
         await ws.send("x" * (5 * 1024 * 1024))
-        await asyncio.sleep(30)
+        await ws.wait_closed()
 
     status, _ = _run_file_client(big, tmp_path, question_16k_wav, "--receive-timeout", "10")
     _one_error_line(capsys, status, 1, "a message over 4 MiB")
@@ -189,7 +189,7 @@ def test_an_error_event_with_escapes_prints_one_safe_line(tmp_path, question_16k
         await ws.send(CREATED)
         await ws.recv()
         await ws.send(json.dumps({"type": "error", "error": {"code": "inference_error", "message": ESCAPES * 1000}}))
-        await asyncio.sleep(30)
+        await ws.wait_closed()
 
     status, _ = _run_file_client(hostile, tmp_path, question_16k_wav, "--receive-timeout", "10")
     line = _one_error_line(capsys, status, 1, "inference_error")
@@ -215,7 +215,7 @@ def test_audio_beyond_one_frame_of_samples_per_input_frame_fails(tmp_path, quest
         await ws.recv()
         for index in range(10_000):
             await ws.send(json.dumps({"type": "response.audio.delta", "frame_index": index, "delta": big}))
-        await asyncio.sleep(30)
+        await ws.wait_closed()
 
     status, _ = _run_file_client(long_frames, tmp_path, question_16k_wav, "--receive-timeout", "10")
     _one_error_line(capsys, status, 1, "audio samples for this input")

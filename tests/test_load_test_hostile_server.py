@@ -48,6 +48,7 @@ class FakeServer:
 
     async def _handle(self, ws):
         self.connections += 1
+        self._handlers.add(asyncio.current_task())
         try:
             await self.handler(ws)
         except Exception:  # noqa: BLE001 - the client gave up: the point of most tests
@@ -57,7 +58,8 @@ class FakeServer:
         from websockets.asyncio.server import serve
 
         self._stop = asyncio.Event()
-        async with serve(self._handle, "127.0.0.1", 0, process_request=self._process_request, max_queue=None,
+        self._handlers: set[asyncio.Task] = set()
+        async with serve(self._handle, "127.0.0.1", 0, process_request=self._process_request, max_queue=None, close_timeout=1,
                          max_size=None) as server:
             self.port = server.sockets[0].getsockname()[1]
             self._ready.set()
@@ -73,7 +75,12 @@ class FakeServer:
         return self
 
     def __exit__(self, *exc):
-        self._loop.call_soon_threadsafe(self._stop.set)
+        def stop() -> None:  # handlers that wait for ever would hold the server's shutdown
+            for task in self._handlers:
+                task.cancel()
+            self._stop.set()
+
+        self._loop.call_soon_threadsafe(stop)
         self._thread.join(10)
 
 
