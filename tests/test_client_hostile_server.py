@@ -50,6 +50,14 @@ class Script(ScriptedServer):
             return
 
 
+async def _configured(ws) -> None:
+    """Play a well-behaved server up to the client's first append."""
+    await ws.send(CREATED)
+    await ws.recv()  # session.update
+    await ws.send(UPDATED)
+    await ws.recv()  # the first append
+
+
 def _run_file_client(script, tmp_path, wav, *extra: str) -> tuple[int, float]:
     with Script(script) as fake:
         start = time.monotonic()
@@ -157,10 +165,7 @@ def test_a_trickle_of_other_events_does_not_extend_the_configure_timeout(tmp_pat
 
 def test_a_message_over_the_size_limit_is_named(tmp_path, question_16k_wav, capsys):  # noqa: F811
     async def big(ws):
-        await ws.send(CREATED)
-        await ws.recv()
-        await ws.send(UPDATED)
-        await ws.recv()
+        await _configured(ws)
         await ws.send("x" * (5 * 1024 * 1024))
         await ws.wait_closed()
 
@@ -171,10 +176,7 @@ def test_a_message_over_the_size_limit_is_named(tmp_path, question_16k_wav, caps
 
 def test_response_done_without_a_commit_is_not_a_success(tmp_path, question_16k_wav, capsys):  # noqa: F811
     async def early(ws):
-        await ws.send(CREATED)
-        await ws.recv()
-        await ws.send(UPDATED)
-        await ws.recv()
+        await _configured(ws)
         await ws.send(json.dumps({"type": "response.done", "frame_index": 0}))
         await ws.close(1000)
 
@@ -209,10 +211,7 @@ def test_audio_beyond_one_frame_of_samples_per_input_frame_fails(tmp_path, quest
     big = base64.b64encode(bytes(2 * 4 * OUTPUT_FRAME_SAMPLES)).decode()
 
     async def long_frames(ws):
-        await ws.send(CREATED)
-        await ws.recv()
-        await ws.send(UPDATED)
-        await ws.recv()
+        await _configured(ws)
         for index in range(10_000):
             await ws.send(json.dumps({"type": "response.audio.delta", "frame_index": index, "delta": big}))
         await ws.wait_closed()
