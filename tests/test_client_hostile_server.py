@@ -228,3 +228,13 @@ def test_response_done_after_the_clients_commit_is_accepted_without_committed():
     state.commit_sent = True
     state.handle({"type": "response.done", "frame_index": 3})
     assert state.finished
+
+
+def test_lone_surrogates_from_the_server_are_refused_or_escaped():
+    state = TurnState(phase="ready")
+    with pytest.raises(ConnectionLost, match="not valid Unicode"):
+        state.handle({"type": "conversation.item.input_audio_transcription.delta", "frame_index": 0,
+                      "delta": "a\ud800", "transcript": "a\ud800"})
+    quoted = server_text("bad \ud800 text")
+    line = ClientError(f"server error x: {quoted}").one_line()
+    assert line.encode("utf-8") and "\\ud800" in line

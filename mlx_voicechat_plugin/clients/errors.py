@@ -32,11 +32,12 @@ _BIDI = {code: f"\\u{code:04x}" for code in (*range(0x202A, 0x202F), *range(0x20
 
 def printable(text: str) -> str:
     """``text`` safe to print on a terminal: C0/C1 control characters (ESC, CSI, BEL ...)
-    and bidirectional overrides written as ``\\xNN`` / ``\\uNNNN``, whitespace folded to
-    single spaces (one line)."""
+    and bidirectional overrides written as ``\\xNN`` / ``\\uNNNN``, lone surrogates (which no
+    UTF-8 stream takes) as ``\\udNNN``, whitespace folded to single spaces (one line)."""
     from ..cli.output import escape_controls
 
-    return escape_controls(" ".join(str(text).split())).translate(_BIDI)
+    text = " ".join(str(text).split()).encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates
+    return escape_controls(text).translate(_BIDI)
 
 
 def server_text(text: object, limit: int = SERVER_TEXT_LIMIT) -> str:

@@ -180,11 +180,14 @@ def _text(event: dict, key: str, default: str) -> str:
     """``event[key]`` as a string (``default`` when absent), at most :data:`MAX_TEXT_CHARS`.
 
     Raises:
-        ConnectionLost: present but not a string, or too long.
+        ConnectionLost: present but not a string, not valid Unicode (a lone surrogate),
+            or too long.
     """
     value = event.get(key, default)
     if not isinstance(value, str):
         raise ConnectionLost(f"the server sent a malformed {event['type']} event: {key} is not a string")
+    if lone_surrogate(value) is not None:  # JSON's "\ud800": no terminal or file can take it
+        raise ConnectionLost(f"the server sent a malformed {event['type']} event: {key} is not valid Unicode")
     if len(value) > MAX_TEXT_CHARS:
         raise ConnectionLost(
             f"the server sent more than {MAX_TEXT_CHARS:,} characters of text in one channel; giving up"
