@@ -238,3 +238,79 @@ def test_lone_surrogates_from_the_server_are_refused_or_escaped():
     quoted = server_text("bad \ud800 text")
     line = ClientError(f"server error x: {quoted}").one_line()
     assert line.encode("utf-8") and "\\ud800" in line
+
+
+def test_a_ping_flood_from_a_server_that_does_not_read_is_cut_off(tmp_path, question_16k_wav, capsys):  # noqa: F811
+    """The automatic answers to pings pile up unsent when the server stops reading (1.5 GB
+    in 42 s); past 8 MiB the client closes with one line."""
+    async def pings(ws):
+        await _configured(ws)
+        ws.transport.pause_reading()
+        pings = b"\x89\x7d" + b"p" * 125  # one unmasked ping frame with 125 bytes of payload
+        for _ in range(1600):  # up to 800,000 pings, about 100 MB of answers
+            if ws.transport.is_closing():
+                break
+            ws.transport.write(pings * 500)
+            await asyncio.sleep(0.001)
+        await ws.wait_closed()
+
+    status, elapsed = _run_file_client(pings, tmp_path, question_16k_wav, "--receive-timeout", "30")
+    _one_error_line(capsys, status, 1, "the server stopped reading")
+    assert elapsed < 25, elapsed
+
+
+def test_the_wait_for_the_close_after_response_done_is_one_deadline(tmp_path, question_16k_wav, capsys, monkeypatch):  # noqa: F811
+    """Events trickling in after ``response.done`` no longer restart the close wait."""
+    from mlx_voicechat_plugin.clients import session
+
+    monkeypatch.setattr(session, "CLOSE_TIMEOUT", 1.0)
+
+    async def trickle_after_done(ws):
+        await _configured(ws)
+        async for raw in ws:
+            if json.loads(raw)["type"] == "input_audio_buffer.commit":
+                break
+        await ws.send(json.dumps({"type": "input_audio_buffer.committed"}))
+        await ws.send(json.dumps({"type": "response.done", "frame_index": 0}))
+        for index in range(100):  # one unknown event every 0.4 s, never a close
+            await ws.send(json.dumps({"type": "keepalive", "n": index}))
+            await asyncio.sleep(0.4)
+
+    status, elapsed = _run_file_client(trickle_after_done, tmp_path, question_16k_wav, "--receive-timeout", "5")
+    _one_error_line(capsys, status, 1, "no close frame after response.done", "within 1 s")
+    assert elapsed < 8, elapsed
+
+
+@pytest.mark.parametrize(
+    ("event", "needle"),
+    [
+        ({"type": "response.cancelled", "frame_index": 0}, "this client did not cancel"),
+        ({"type": "response.text.delta", "frame_index": 0, "delta": "x" * 5000, "text": "short"}, "text delta of more than"),
+    ],
+)
+def test_what_a_client_did_not_ask_for_or_cannot_show_fails(event, needle):
+    with pytest.raises(ConnectionLost, match=needle):
+        TurnState(phase="ready").handle(event)
+
+
+def test_deltas_are_bounded_even_when_the_cumulative_text_stays_short(monkeypatch):
+    monkeypatch.setattr(protocol, "MAX_TEXT_CHARS", 1000)
+    state = TurnState(phase="ready", keep_audio=False)
+    with pytest.raises(ConnectionLost, match="characters of text deltas"):
+        for index in range(100):
+            state.handle({"type": "response.text.delta", "frame_index": index, "delta": "w" * 100, "text": "short"})
+
+
+def test_event_type_names_are_counted_within_bounds():
+    state = TurnState(phase="ready")
+    for index in range(200):
+        state.handle({"type": f"{index}" + "t" * 100_000})
+    assert list(state.counts) == ["other"] and state.counts["other"] == 200
+
+
+def test_the_load_test_keeps_only_short_rows_of_small_integer_codes():
+    from mlx_voicechat_plugin.clients.load_test import _audio_frame
+
+    assert _audio_frame({"audio_codes": list(range(31))}) == tuple(range(31))
+    for codes in (["x" * 60_000] * 31, [[[]]] * 31, [10**400] * 31, list(range(65)), [True] * 31, "abc"):
+        assert _audio_frame({"audio_codes": codes}) == ()

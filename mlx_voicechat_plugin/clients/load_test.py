@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import math
 import os
@@ -271,10 +272,33 @@ def caller_input(base: np.ndarray, index: int, seconds: float) -> np.ndarray:
 
 def _audio_frame(event: dict) -> tuple:
     codes = event.get("audio_codes")
-    return tuple(codes[:MAX_AUDIO_CODES]) if isinstance(codes, list) else ()
+    if (not isinstance(codes, list) or len(codes) > MAX_AUDIO_CODES
+            or any(type(code) is not int or not 0 <= code < 1 << 16 for code in codes)):
+        return ()  # kept only as a short row of codebook indices (what a server sends: 31 of them)
+    return tuple(codes)
 
 
 _connect_class = None
+
+
+@contextlib.asynccontextmanager
+async def _watched(ws):
+    """Abort ``ws`` once the server stops reading (:func:`.transport.watch_unsent`: answers
+    to a ping flood would otherwise pile up in memory) and say so."""
+    import websockets
+
+    from .transport import MAX_UNSENT_BYTES, watch_unsent
+
+    watchdog = asyncio.ensure_future(watch_unsent(ws))
+    try:
+        yield
+    except websockets.ConnectionClosed:
+        if watchdog.done() and not watchdog.cancelled() and watchdog.result():
+            raise CallerFailed(f"the server stopped reading (more than {MAX_UNSENT_BYTES >> 20} MiB waiting to "
+                               "be sent, such as answers to a flood of pings)") from None
+        raise
+    finally:
+        watchdog.cancel()
 
 
 def _check_loopback(ws) -> None:
@@ -308,7 +332,7 @@ def _connect(url: str, api_key: str | None):
 
         _connect_class = _NoRedirects
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    return _connect_class(url, max_size=MAX_MESSAGE_BYTES, close_timeout=CLOSE_TIMEOUT, ping_interval=None,
+    return _connect_class(url, max_size=MAX_MESSAGE_BYTES, max_queue=4, close_timeout=CLOSE_TIMEOUT, ping_interval=None,
                           proxy=None, additional_headers=headers)
 
 
@@ -332,7 +356,7 @@ async def run_caller(url: str, index: int, samples: np.ndarray, join_at: float |
         result.answer.clear()
         import websockets
 
-        async with _connect(url, api_key) as ws:
+        async with _connect(url, api_key) as ws, _watched(ws):
             _check_loopback(ws)
             try:
                 await ws.send(json.dumps({"type": "session.update", "session": {"seed": index}}))
@@ -364,7 +388,7 @@ async def run_caller(url: str, index: int, samples: np.ndarray, join_at: float |
                     kind = event["type"]
                     if kind == "response.text.delta":
                         token = event.get("token_id")
-                        text_ids[_answered_frame(event, len(sent))] = token if type(token) is int else None
+                        text_ids[_answered_frame(event, len(sent))] = token if type(token) is int and 0 <= token < 1 << 32 else None
                     elif kind == "response.audio.delta":
                         frame = _answered_frame(event, len(sent))
                         result.latencies.append(time.monotonic() - sent[frame])
@@ -410,7 +434,7 @@ async def run_openai_caller(url: str, index: int, samples: np.ndarray, join_at: 
                 raise CallerFailed(f"the server sent more than {most_events} events for this caller's "
                                    f"{frames} input frames (a flood?)")
 
-        async with _connect(url, api_key) as ws:
+        async with _connect(url, api_key) as ws, _watched(ws):
             _check_loopback(ws)
             await _configure(ws, "session.created", timeout)
             result.admitted = True

@@ -160,24 +160,43 @@ MAX_DELTA_SAMPLES = 4 * 1764
 #: Most characters a channel's cumulative text may reach: a 600 s session's answer is of
 #: the order of 10^5 characters; more is a misbehaving server.
 MAX_TEXT_CHARS = 1_000_000
+#: Most characters of one text delta (a frame's text is a few tokens).
+MAX_DELTA_CHARS = 4096
+#: Event types :attr:`TurnState.counts` counts by name; any other (at most
+#: :data:`MAX_COUNTED_TYPES` of them, each name at most 64 characters) too, the rest as
+#: ``"other"``.
+_KNOWN_TYPES = frozenset({
+    "session.created", "session.updated", "input_audio_buffer.committed", "response.done", "response.cancelled",
+    "conversation.item.input_audio_transcription.delta", "response.text.delta", "response.function.delta",
+    "response.audio.delta", "error",
+})
 #: Text deltas and audio deltas belong to a configured session.
 _LIVE_PHASES = ("ready", "committed")
 
 
-def _integer(event: dict, key: str, default: int) -> int:
-    """``event[key]`` as an int (``default`` when absent).
+def _label(value) -> str | None:
+    """A short identifier the server sent (a session id, a model id): a string of at most
+    256 characters, else None (not kept)."""
+    return value if isinstance(value, str) and len(value) <= 256 else None
+
+
+def _integer(event: dict, key: str, default: int | None) -> int | None:
+    """``event[key]`` as an int (``default`` when absent or null).
 
     Raises:
         ConnectionLost: present but not an integer (a string, a float, NaN, a list...).
     """
     value = event.get(key, default)
+    if value is None:
+        return default
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConnectionLost(f"the server sent a malformed {event['type']} event: {key} is not an integer")
     return value
 
 
-def _text(event: dict, key: str, default: str) -> str:
-    """``event[key]`` as a string (``default`` when absent), at most :data:`MAX_TEXT_CHARS`.
+def _text(event: dict, key: str, default: str, limit: int | None = None) -> str:
+    """``event[key]`` as a string (``default`` when absent), at most ``limit`` characters
+    (default :data:`MAX_TEXT_CHARS`).
 
     Raises:
         ConnectionLost: present but not a string, not valid Unicode (a lone surrogate),
@@ -188,11 +207,24 @@ def _text(event: dict, key: str, default: str) -> str:
         raise ConnectionLost(f"the server sent a malformed {event['type']} event: {key} is not a string")
     if lone_surrogate(value) is not None:  # JSON's "\ud800": no terminal or file can take it
         raise ConnectionLost(f"the server sent a malformed {event['type']} event: {key} is not valid Unicode")
+    if limit is not None and len(value) > limit:
+        raise ConnectionLost(f"the server sent a text delta of more than {limit:,} characters; giving up")
     if len(value) > MAX_TEXT_CHARS:
         raise ConnectionLost(
             f"the server sent more than {MAX_TEXT_CHARS:,} characters of text in one channel; giving up"
         )
     return value
+
+
+def _delta(state: TurnState, event: dict) -> str:
+    """A text event's ``delta`` (at most :data:`MAX_DELTA_CHARS`), counted: all channels'
+    deltas together may not pass three times :data:`MAX_TEXT_CHARS` (a server could keep
+    the cumulative text short while the deltas a display prints grow without end)."""
+    delta = _text(event, "delta", "", MAX_DELTA_CHARS)
+    state.delta_chars += len(delta)
+    if state.delta_chars > 3 * MAX_TEXT_CHARS:
+        raise ConnectionLost(f"the server sent more than {3 * MAX_TEXT_CHARS:,} characters of text deltas; giving up")
+    return delta
 
 
 @dataclass
@@ -211,7 +243,8 @@ class TurnState:
     ``spoken_text``), so a server that sends audio or text deltas for hours (or floods them)
     cannot grow the client's memory. A client sets ``commit_sent`` when it sends
     ``input_audio_buffer.commit``: ``response.done`` is accepted from then on (or after
-    ``input_audio_buffer.committed``), not before. ``counts``
+    ``input_audio_buffer.committed``), not before; likewise ``cancel_sent`` for
+    ``response.cancelled``, which the clients here never ask for. ``counts``
     tracks at most :data:`MAX_COUNTED_TYPES` event types (the rest under ``"other"``).
     """
 
@@ -228,6 +261,8 @@ class TurnState:
     done_frame_index: int | None = None
     keep_audio: bool = True
     commit_sent: bool = False
+    cancel_sent: bool = False
+    delta_chars: int = 0
     audio_frames: int = 0
     audio_samples: int = 0
 
@@ -262,7 +297,8 @@ class TurnState:
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise ConnectionLost("the server sent a malformed event (not a JSON object with a type)")
         kind = event["type"]
-        counted = kind if kind in self.counts or len(self.counts) < MAX_COUNTED_TYPES else "other"
+        known = kind in _KNOWN_TYPES or kind in self.counts
+        counted = kind if known or (len(self.counts) < MAX_COUNTED_TYPES and len(kind) <= 64) else "other"
         self.counts[counted] = self.counts.get(counted, 0) + 1
         if kind == "error":
             error = event.get("error")
@@ -274,31 +310,35 @@ class TurnState:
                 raise ServerBusy(f"the server is busy with another session (server_busy): {message}")
             raise ServerErrorEvent(code, message)
         if kind in _ORDERED and self.phase not in _ORDERED[kind] and not (kind == "response.done" and self.commit_sent):
-            raise ConnectionLost(f"the server sent {kind} out of order (before {_EXPECTED_BEFORE[kind]})")
+            raise ConnectionLost(f"the server sent {kind} out of order ({_EXPECTED[kind]})")
+        if kind == "response.cancelled" and not self.cancel_sent:
+            raise ConnectionLost("the server sent response.cancelled, but this client did not cancel")
+        if kind in ("input_audio_buffer.committed", "response.done", "response.cancelled") and self.finished:
+            raise ConnectionLost(f"the server sent {kind} after the response had ended")
         session = event.get("session") if isinstance(event.get("session"), dict) else {}
         if kind == "session.created":
             self.phase = "configuring"
-            self.session_id = session.get("id")
+            self.session_id = _label(session.get("id"))
         elif kind == "session.updated":
             self.phase = "ready"
-            self.model = session.get("model")
+            self.model = _label(session.get("model"))
         elif kind == "input_audio_buffer.committed":
             self.phase = "committed"
         elif kind in ("response.done", "response.cancelled"):
             self.phase = "done" if kind == "response.done" else "cancelled"
-            self.done_frame_index = event.get("frame_index")
+            self.done_frame_index = _integer(event, "frame_index", None)
         elif kind == "conversation.item.input_audio_transcription.delta":
-            delta = _text(event, "delta", "")
+            delta = _delta(self, event)
             self.transcript = _text(event, "transcript", self.transcript + delta)
             return TextDelta("user", _integer(event, "frame_index", -1), delta, self.transcript)
         elif kind == "response.text.delta":
-            delta = _text(event, "delta", "")
+            delta = _delta(self, event)
             self.text = _text(event, "text", self.text + delta)
             if self.keep_audio:  # an open-ended session keeps no growing history
                 self.spoken_text = (self.spoken_text + delta)[-MAX_TEXT_CHARS:]
             return TextDelta("assistant", _integer(event, "frame_index", -1), delta, self.text)
         elif kind == "response.function.delta":
-            delta = _text(event, "delta", "")
+            delta = _delta(self, event)
             self.function_text = _text(event, "text", self.function_text + delta)
             return TextDelta("function", _integer(event, "frame_index", -1), delta, self.function_text)
         elif kind == "response.audio.delta":
@@ -334,8 +374,9 @@ _ORDERED = {
     "input_audio_buffer.committed": ("ready",),
     "response.done": ("committed",),
 }
-_EXPECTED_BEFORE = {kind: "session.updated" for kind in _ORDERED}
-_EXPECTED_BEFORE["response.done"] = "input_audio_buffer.committed or the client's commit"
+_EXPECTED = {kind: "before session.updated" for kind in _ORDERED}
+_EXPECTED["input_audio_buffer.committed"] = "expected once, after session.updated"
+_EXPECTED["response.done"] = "before input_audio_buffer.committed or the client's commit"
 
 
 def parse_event(text: str | bytes) -> dict:
@@ -346,5 +387,5 @@ def parse_event(text: str | bytes) -> dict:
     """
     try:
         return json.loads(text)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         raise ConnectionLost("the server sent a frame that is not JSON") from None

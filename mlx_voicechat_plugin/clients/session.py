@@ -20,7 +20,7 @@ Update = TextDelta | AudioDelta | None
 #: Seconds to wait for ``session.created`` / ``session.updated`` (the session warm-up runs
 #: the TTS warm-up and the system-prompt prefill).
 CONFIGURE_TIMEOUT = 120.0
-#: Seconds to wait for the close frame after ``response.done``.
+#: Seconds to wait for the close frame after ``response.done`` (in all, whatever else arrives).
 CLOSE_TIMEOUT = 10.0
 #: Most events a well-behaved server sends per input frame (one audio delta, up to three
 #: text deltas, room for the rest); :func:`receive_until_closed` bounds the total with it.
@@ -130,10 +130,14 @@ async def receive_until_closed(
     """
     max_events = None if max_audio_frames is None else EVENTS_PER_FRAME * max_audio_frames + 16
     received = 0
+    loop = asyncio.get_running_loop()
+    close_by = None  # once the response has ended: one deadline for the close, however many events come
     while True:
-        timeout = CLOSE_TIMEOUT if state.finished else receive_timeout
+        if state.finished and close_by is None:
+            close_by = loop.time() + CLOSE_TIMEOUT
+        timeout = receive_timeout if close_by is None else max(0.0, close_by - loop.time())
         waiting = "close frame after response.done" if state.finished else "event"
-        event = await _next(socket, timeout, waiting)
+        event = await _next(socket, timeout, waiting, None if close_by is None else CLOSE_TIMEOUT)
         if event is None:
             break
         received += 1

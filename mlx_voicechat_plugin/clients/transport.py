@@ -28,6 +28,12 @@ from .protocol import SUBPROTOCOL, dumps, parse_event
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 #: Seconds the client waits for the closing handshake to finish.
 CLOSE_HANDSHAKE_TIMEOUT = 2.0
+#: Bytes the client may have waiting to be sent before it gives up on a server that does
+#: not read (its own messages wait for room; the automatic answers to a server's pings do
+#: not, so a server flooding pings without reading would grow them without bound).
+MAX_UNSENT_BYTES = 8 * 1024 * 1024
+#: Seconds between two looks at the bytes waiting to be sent.
+UNSENT_CHECK_SECONDS = 0.25
 #: What this client's own close code says the server did (the connection ended by the
 #: client because of what it received).
 _CLIENT_CLOSES = {
@@ -134,6 +140,24 @@ def _denial_message(body: bytes | bytearray | None) -> str:
     return server_text(text, 200)
 
 
+async def watch_unsent(websocket) -> bool:
+    """Abort ``websocket``'s connection (a ``websockets`` client connection) once more than
+    :data:`MAX_UNSENT_BYTES` wait to be sent; look every :data:`UNSENT_CHECK_SECONDS`.
+
+    Returns:
+        True when it aborted the connection, False when the connection closed otherwise.
+    """
+    transport = getattr(websocket, "transport", None)
+    if transport is None:
+        return False
+    while not transport.is_closing():
+        if transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
+            transport.abort()
+            return True
+        await asyncio.sleep(UNSENT_CHECK_SECONDS)
+    return False
+
+
 class RealtimeSocket:
     """One open ``/v1/realtime`` connection.
 
@@ -147,6 +171,11 @@ class RealtimeSocket:
         self.close_code: int | None = None
         self.close_reason: str = ""
         self.client_close: str | None = None
+        self._watchdog = asyncio.ensure_future(watch_unsent(websocket))
+
+    @property
+    def _stalled(self) -> bool:
+        return self._watchdog.done() and not self._watchdog.cancelled() and self._watchdog.result()
 
     @classmethod
     async def connect(
@@ -181,6 +210,7 @@ class RealtimeSocket:
                 subprotocols=[SUBPROTOCOL],
                 open_timeout=open_timeout,
                 max_size=MAX_MESSAGE_BYTES,
+                max_queue=4,  # messages received ahead of the reader: 16 MiB at most
                 close_timeout=CLOSE_HANDSHAKE_TIMEOUT,
             )
         except websockets.exceptions.InvalidStatus as error:
@@ -245,6 +275,11 @@ class RealtimeSocket:
                 return None
             if self.close_code == CLOSE_TRY_AGAIN:
                 raise ServerBusy("the server is busy with another session (close 1013); try again later") from None
+            if self._stalled:
+                raise ConnectionLost(
+                    f"the server stopped reading (more than {MAX_UNSENT_BYTES >> 20} MiB waiting to be sent, "
+                    "such as answers to a flood of pings); the client closed the connection"
+                ) from None
             if self.client_close:
                 raise ConnectionLost(f"the server sent {self.client_close}; the client closed the connection") from None
             raise ConnectionLost(f"the server connection ended: {describe_close(self.close_code, self.close_reason)}") from None
@@ -252,6 +287,7 @@ class RealtimeSocket:
 
     async def close(self, code: int = CLOSE_NORMAL) -> None:
         """Close from the client side (idempotent, never raises)."""
+        self._watchdog.cancel()
         try:
             await self._ws.close(code=code)
         except Exception:  # noqa: BLE001 - closing a broken socket is best effort
