@@ -18,6 +18,9 @@ import os
 import sys
 from typing import TextIO
 
+#: Bidirectional embeddings, overrides and isolates (U+202A-U+202E, U+2066-U+2069): they
+#: reorder what a terminal shows.
+BIDI_CONTROLS = (*range(0x202A, 0x202F), *range(0x2066, 0x206A))
 # Every C0/C1 control character except tab and newline.
 _CONTROLS = {code: f"\\x{code:02x}" for code in (*range(0x00, 0x20), *range(0x7F, 0xA0)) if code not in (9, 10)}
 

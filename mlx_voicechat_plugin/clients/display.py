@@ -12,13 +12,14 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from ..cli.output import BIDI_CONTROLS
 from .protocol import OUTPUT_SAMPLE_RATE, TextDelta, TurnState
 
 LABELS = {"user": "[user]", "assistant": "[assistant]", "function": "[function]"}
 # Control characters (a random demo checkpoint decodes plenty; a hostile server may send
 # escape sequences) must not garble a terminal: C0, DEL, C1 (0x9b is a one-byte CSI) and
 # the bidirectional embeddings, overrides and isolates that reorder what is shown.
-_CONTROL = {code: None for code in (*range(32), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+_CONTROL = {code: None for code in (*range(32), *range(0x7F, 0xA0), *BIDI_CONTROLS)}
 _CONTROL.update({9: " ", 10: " ", 13: " "})
 
 

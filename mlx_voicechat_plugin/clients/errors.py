@@ -12,6 +12,7 @@ Exit statuses (both clients; the package-wide table is :mod:`mlx_voicechat_plugi
 
 from __future__ import annotations
 
+from ..cli.output import BIDI_CONTROLS, escape_controls
 from ..exit_codes import (  # noqa: F401 - re-exported for the clients
     CLIENT_EXIT_STATUS_HELP as EXIT_STATUS_HELP,
 )
@@ -26,16 +27,13 @@ from ..exit_codes import (
 #: Most characters of a server's own text (an error event's message, a close reason, an
 #: HTTP answer's body) that a client's error line quotes.
 SERVER_TEXT_LIMIT = 300
-# Bidirectional embeddings, overrides and isolates: they reorder what a terminal shows.
-_BIDI = {code: f"\\u{code:04x}" for code in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+_BIDI = {code: f"\\u{code:04x}" for code in BIDI_CONTROLS}
 
 
 def printable(text: str) -> str:
     """``text`` safe to print on a terminal: C0/C1 control characters (ESC, CSI, BEL ...)
     and bidirectional overrides written as ``\\xNN`` / ``\\uNNNN``, lone surrogates (which no
     UTF-8 stream takes) as ``\\udNNN``, whitespace folded to single spaces (one line)."""
-    from ..cli.output import escape_controls
-
     text = " ".join(str(text).split()).encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates
     return escape_controls(text).translate(_BIDI)
 

@@ -55,14 +55,13 @@ import numpy as np
 from ..exit_codes import LOAD_TEST_EXIT_STATUS_HELP
 from .errors import printable, server_text
 from .protocol import FRAME_SAMPLES, INPUT_SAMPLE_RATE, encode_pcm16
+from .session import MAX_SETUP_EVENTS as SETUP_EVENTS
+from .transport import CLIENT_CLOSES, MAX_MESSAGE_BYTES, STALLED, watch_unsent, within
 
 #: A frame answered later than this (s) after its append was sent is late.
 LATE_SECONDS = 0.16
 FRAME_SECONDS = FRAME_SAMPLES / INPUT_SAMPLE_RATE
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
-#: Largest message a caller accepts (as the file client's transport): a bigger one fails the
-#: caller ("the server sent a message over 4 MiB") instead of being buffered.
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 #: Seconds a closing handshake may take, so that a server that never closes its side of the
 #: TCP connection cannot hold the run much past ``--timeout``.
 CLOSE_TIMEOUT = 1.0
@@ -71,9 +70,6 @@ CLOSE_TIMEOUT = 1.0
 #: caller, so a flooding server cannot grow the load test's memory without bound.
 EVENTS_PER_FRAME = 32
 EVENTS_ALLOWANCE = 256
-#: Events a caller reads while waiting for its session to be configured (a well-behaved
-#: server sends two: ``session.created``, ``session.updated``).
-SETUP_EVENTS = 64
 #: Codes of one answered frame kept for the comparison with the solo run (a frame has 31).
 MAX_AUDIO_CODES = 64
 
@@ -113,17 +109,11 @@ async def _until(moment: float | None) -> None:
 
 
 async def _recv(ws, seconds: float):
-    """``ws.recv()`` within ``seconds`` (``asyncio.TimeoutError`` past them). A cancellation
-    always ends it: ``asyncio.timeout`` where there is one, because Python 3.11's
-    ``asyncio.wait_for`` swallows a cancellation that arrives when the receive is already
-    done (CPython gh-86296), which kept a caller reading a flooding server for ever."""
+    """``ws.recv()`` within ``seconds`` (``asyncio.TimeoutError`` past them), never
+    swallowing a cancellation (:func:`.transport.within`)."""
     if seconds <= 0:
         raise asyncio.TimeoutError()
-    timeout = getattr(asyncio, "timeout", None)
-    if timeout is None:  # Python 3.10
-        return await asyncio.wait_for(ws.recv(), seconds)
-    async with timeout(seconds):
-        return await ws.recv()
+    return await within(ws.recv(), seconds)
 
 
 def _event(raw) -> dict:
@@ -199,8 +189,9 @@ def _failure(error: BaseException) -> str:
 
     if isinstance(error, CallerFailed):
         return str(error)
-    if isinstance(error, websockets.ConnectionClosed) and error.sent is not None and error.sent.code == 1009:
-        return f"the server sent a message over {MAX_MESSAGE_BYTES >> 20} MiB (connection closed with 1009)"
+    if (isinstance(error, websockets.ConnectionClosed) and error.rcvd is None and error.sent is not None
+            and error.sent.code in CLIENT_CLOSES):
+        return f"the server sent {CLIENT_CLOSES[error.sent.code]} (connection closed with {error.sent.code})"
     if isinstance(error, websockets.InvalidStatus) and 300 <= error.response.status_code < 400:
         location = error.response.headers.get("Location")
         where = f" to {server_text(location)}" if location else ""
@@ -287,15 +278,12 @@ async def _watched(ws):
     to a ping flood would otherwise pile up in memory) and say so."""
     import websockets
 
-    from .transport import MAX_UNSENT_BYTES, watch_unsent
-
     watchdog = asyncio.ensure_future(watch_unsent(ws))
     try:
         yield
     except websockets.ConnectionClosed:
         if watchdog.done() and not watchdog.cancelled() and watchdog.result():
-            raise CallerFailed(f"the server stopped reading (more than {MAX_UNSENT_BYTES >> 20} MiB waiting to "
-                               "be sent, such as answers to a flood of pings)") from None
+            raise CallerFailed(STALLED) from None
         raise
     finally:
         watchdog.cancel()

@@ -194,9 +194,8 @@ def _integer(event: dict, key: str, default: int | None) -> int | None:
     return value
 
 
-def _text(event: dict, key: str, default: str, limit: int | None = None) -> str:
-    """``event[key]`` as a string (``default`` when absent), at most ``limit`` characters
-    (default :data:`MAX_TEXT_CHARS`).
+def _text(event: dict, key: str, default: str) -> str:
+    """``event[key]`` as a string (``default`` when absent), at most :data:`MAX_TEXT_CHARS`.
 
     Raises:
         ConnectionLost: present but not a string, not valid Unicode (a lone surrogate),
@@ -207,8 +206,6 @@ def _text(event: dict, key: str, default: str, limit: int | None = None) -> str:
         raise ConnectionLost(f"the server sent a malformed {event['type']} event: {key} is not a string")
     if lone_surrogate(value) is not None:  # JSON's "\ud800": no terminal or file can take it
         raise ConnectionLost(f"the server sent a malformed {event['type']} event: {key} is not valid Unicode")
-    if limit is not None and len(value) > limit:
-        raise ConnectionLost(f"the server sent a text delta of more than {limit:,} characters; giving up")
     if len(value) > MAX_TEXT_CHARS:
         raise ConnectionLost(
             f"the server sent more than {MAX_TEXT_CHARS:,} characters of text in one channel; giving up"
@@ -220,7 +217,9 @@ def _delta(state: TurnState, event: dict) -> str:
     """A text event's ``delta`` (at most :data:`MAX_DELTA_CHARS`), counted: all channels'
     deltas together may not pass three times :data:`MAX_TEXT_CHARS` (a server could keep
     the cumulative text short while the deltas a display prints grow without end)."""
-    delta = _text(event, "delta", "", MAX_DELTA_CHARS)
+    delta = _text(event, "delta", "")
+    if len(delta) > MAX_DELTA_CHARS:
+        raise ConnectionLost(f"the server sent a text delta of more than {MAX_DELTA_CHARS:,} characters; giving up")
     state.delta_chars += len(delta)
     if state.delta_chars > 3 * MAX_TEXT_CHARS:
         raise ConnectionLost(f"the server sent more than {3 * MAX_TEXT_CHARS:,} characters of text deltas; giving up")

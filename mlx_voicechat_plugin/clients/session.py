@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from .errors import ConnectionLost
 from .protocol import OUTPUT_FRAME_SAMPLES, AudioDelta, TextDelta, TurnState, session_update
-from .transport import RealtimeSocket
+from .transport import RealtimeSocket, within
 
 Update = TextDelta | AudioDelta | None
 
@@ -37,15 +37,9 @@ async def _next(socket: RealtimeSocket, timeout: float, waiting_for: str, limit:
     """The next event within ``timeout`` seconds (``limit``: the whole wait's timeout, for
     the message; default ``timeout``)."""
     try:
-        event = await asyncio.wait_for(socket.receive(), timeout)
+        return await within(socket.receive(), timeout)
     except asyncio.TimeoutError:
         raise ConnectionLost(f"no {waiting_for} from the server within {limit or timeout:g} s") from None
-    task = asyncio.current_task()
-    if task is not None and getattr(task, "cancelling", lambda: 0)():
-        # Python 3.11's wait_for drops a cancellation (Ctrl-C, an outer timeout) that
-        # arrives as the receive completes (CPython gh-86296): honour it here.
-        raise asyncio.CancelledError
-    return event
 
 
 async def open_session(

@@ -34,9 +34,14 @@ CLOSE_HANDSHAKE_TIMEOUT = 2.0
 MAX_UNSENT_BYTES = 8 * 1024 * 1024
 #: Seconds between two looks at the bytes waiting to be sent.
 UNSENT_CHECK_SECONDS = 0.25
+#: Why a connection :func:`watch_unsent` aborted ended.
+STALLED = (
+    f"the server stopped reading (more than {MAX_UNSENT_BYTES >> 20} MiB waiting to be sent, "
+    "such as answers to a flood of pings)"
+)
 #: What this client's own close code says the server did (the connection ended by the
 #: client because of what it received).
-_CLIENT_CLOSES = {
+CLIENT_CLOSES = {
     1002: "a frame that breaks the WebSocket protocol",
     1007: "text that is not valid UTF-8",
     1009: f"a message over {MAX_MESSAGE_BYTES // (1024 * 1024)} MiB",
@@ -138,6 +143,19 @@ def _denial_message(body: bytes | bytearray | None) -> str:
         message = None
     text = str(message) if message else bytes(body[:400]).decode("utf-8", "replace").strip()
     return server_text(text, 200)
+
+
+async def within(awaitable, seconds: float):
+    """``await awaitable``, raising ``asyncio.TimeoutError`` after ``seconds``. A
+    cancellation (Ctrl-C, an outer deadline) always ends it: ``asyncio.timeout`` where
+    Python has it, because Python 3.11's ``asyncio.wait_for`` drops a cancellation that
+    arrives as the awaited receive completes (CPython gh-86296), which kept a client reading
+    a flooding server for ever; ``asyncio.wait_for`` on Python 3.10."""
+    timeout = getattr(asyncio, "timeout", None)
+    if timeout is None:  # Python 3.10
+        return await asyncio.wait_for(awaitable, seconds)
+    async with timeout(seconds):
+        return await awaitable
 
 
 async def watch_unsent(websocket) -> bool:
@@ -246,7 +264,7 @@ class RealtimeSocket:
         self.close_reason = received.reason if received is not None else ""
         sent = getattr(error, "sent", None)
         # The client closed first because of what the server sent: say what that was.
-        self.client_close = _CLIENT_CLOSES.get(sent.code) if received is None and sent is not None else None
+        self.client_close = CLIENT_CLOSES.get(sent.code) if received is None and sent is not None else None
 
     async def send(self, message: dict) -> bool:
         """Send one message; False when the connection is already closed (the receiver
@@ -276,10 +294,7 @@ class RealtimeSocket:
             if self.close_code == CLOSE_TRY_AGAIN:
                 raise ServerBusy("the server is busy with another session (close 1013); try again later") from None
             if self._stalled:
-                raise ConnectionLost(
-                    f"the server stopped reading (more than {MAX_UNSENT_BYTES >> 20} MiB waiting to be sent, "
-                    "such as answers to a flood of pings); the client closed the connection"
-                ) from None
+                raise ConnectionLost(f"{STALLED}; the client closed the connection") from None
             if self.client_close:
                 raise ConnectionLost(f"the server sent {self.client_close}; the client closed the connection") from None
             raise ConnectionLost(f"the server connection ended: {describe_close(self.close_code, self.close_reason)}") from None
